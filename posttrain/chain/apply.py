@@ -1,0 +1,200 @@
+"""Apply deltas to a base version in one pass per tensor, verifying every intermediate checksum.
+
+For each tensor, the base bytes are read chunk by chunk and every delta that changed it is
+decompressed alongside (one zstd stream each) and XORed in, in chain order; the bytes after
+each delta are hashed and compared with the checksum that delta recorded. The result is
+written to the output shards, or discarded when only verifying.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+import zstandard
+
+from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader
+from posttrain.chain.encode import Progress, _pwrite_all, _run_parallel, default_workers, write_json_atomic
+from posttrain.chain.errors import ChecksumMismatch, FormatError
+from posttrain.chain.format import new_checksum
+from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
+from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
+
+
+class _FrameSlice:
+    """A file-like view of one tensor's compressed bytes, read with pread."""
+
+    def __init__(self, fd: int, info: TensorInfo):
+        self.fd, self.pos, self.end = fd, info.offset, info.offset + info.nbytes
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.end - self.pos if n < 0 else min(n, self.end - self.pos)
+        data = os.pread(self.fd, n, self.pos) if n > 0 else b""
+        self.pos += len(data)
+        return data
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.reader = ChunkReader()
+        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
+
+
+@dataclass
+class Applied:
+    version_digests: dict[str, str]  # tensor -> xxh3-128 of the reconstructed bytes
+    bytes: int
+
+
+def _check_deltas(base: Checkpoint, deltas: list[DeltaSnapshot]) -> None:
+    for d in deltas:
+        for name in d.entries:
+            if name not in base.tensors:
+                raise FormatError(f"{d.path}: delta changes tensor {name!r}, which the base does not have")
+
+
+def apply_chain(
+    base: Checkpoint,
+    deltas: list[DeltaSnapshot],
+    out: Path | None,
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    durable: bool = True,
+) -> Applied:
+    """Reconstruct ``base`` + ``deltas`` into ``out`` (an existing empty folder), or just verify."""
+    _check_deltas(base, deltas)
+    local = _Local()
+    fds: dict[Path, int] = {}
+    fd_lock = threading.Lock()
+
+    def frame_fd(path: Path) -> int:
+        with fd_lock:
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+            return fds[path]
+
+    targets: dict[str, tuple[int, int]] = {}
+    out_fds: list[int] = []
+    try:
+        if out is not None:
+            by_file: dict[str, list[TensorInfo]] = {}
+            for info in base.tensors.values():
+                by_file.setdefault(info.path.name, []).append(info)
+            for fname, infos in sorted(by_file.items()):
+                specs = [TensorSpec(i.name, i.dtype, i.shape, i.nbytes) for i in infos]
+                layout = layout_file(specs, base.shard_metadata.get(fname) or {"format": "pt"})
+                fd = os.open(out / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                out_fds.append(fd)
+                _pwrite_all(fd, memoryview(layout.header), 0)
+                os.ftruncate(fd, layout.size)
+                for i in infos:
+                    targets[i.name] = (fd, layout.offsets[i.name])
+
+        def run(name: str) -> tuple[str, str]:
+            info = base.tensors[name]
+            chain = [(d, d.entries[name]) for d in deltas if name in d.entries]
+            target = targets.get(name)
+            return name, _apply_tensor(info, chain, target, local, frame_fd, progress)
+
+        order = sorted(base.tensors, key=lambda n: -base.tensors[n].nbytes)
+        digests = dict(_run_parallel(run, order, workers or default_workers()))
+        if durable:
+            for fd in out_fds:
+                os.fsync(fd)
+    finally:
+        for fd in out_fds:
+            os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
+    return Applied({n: digests[n] for n in base.tensors}, base.total_bytes)
+
+
+def _apply_tensor(
+    info: TensorInfo,
+    chain: list[tuple[DeltaSnapshot, DeltaEntry]],
+    target: tuple[int, int] | None,
+    local: _Local,
+    frame_fd,
+    progress: Progress | None,
+) -> str:
+    streams = []
+    for delta, entry in chain:
+        src = _FrameSlice(frame_fd(entry.frame.path), entry.frame)
+        reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=1 << 20, read_across_frames=False)
+        streams.append((delta, entry, reader, new_checksum(delta.checksum_format)))
+    digest = xxhash.xxh3_128()
+    pos = 0
+    try:
+        for chunk in local.reader.chunks(info):
+            m = len(chunk)
+            for delta, entry, reader, checksum in streams:
+                xor = local.scratch[:m]
+                _read_exact(reader, xor, delta, entry, info)
+                np.bitwise_xor(chunk, xor, out=chunk)
+                checksum.update(chunk)
+            digest.update(chunk)
+            if target is not None:
+                _pwrite_all(target[0], chunk, target[1] + pos)
+            pos += m
+            if progress:
+                progress(m)
+        for delta, entry, reader, checksum in streams:
+            if _safe_read(reader, 1, delta, entry):
+                raise FormatError(
+                    f"{entry.frame.path}: tensor {entry.name!r} of delta {delta.version} decompresses to more "
+                    f"than the tensor's {info.nbytes} bytes"
+                )
+            got = checksum.hexdigest()
+            if got != entry.checksum:
+                raise ChecksumMismatch(
+                    f"{entry.frame.path}: tensor {entry.name!r} of delta {delta.version} has "
+                    f"{delta.checksum_format} {got} after applying it, but the snapshot recorded "
+                    f"{entry.checksum} (corrupted data, or applied to a base other than {delta.base_version})"
+                )
+    finally:
+        for _, _, reader, _ in streams:
+            reader.close()
+    return digest.hexdigest()
+
+
+def _safe_read(reader, n: int, delta: DeltaSnapshot, entry: DeltaEntry) -> bytes:
+    try:
+        return reader.read(n)
+    except zstandard.ZstdError as e:
+        raise FormatError(
+            f"{entry.frame.path}: tensor {entry.name!r} of delta {delta.version}: corrupted zstd stream ({e})"
+        ) from None
+
+
+def _read_exact(reader, out: np.ndarray, delta: DeltaSnapshot, entry: DeltaEntry, info: TensorInfo) -> None:
+    mv = memoryview(out)
+    got = 0
+    while got < len(mv):
+        try:
+            n = reader.readinto(mv[got:])
+        except zstandard.ZstdError as e:
+            raise FormatError(
+                f"{entry.frame.path}: tensor {entry.name!r} of delta {delta.version}: corrupted zstd stream ({e})"
+            ) from None
+        if n == 0:
+            raise FormatError(
+                f"{entry.frame.path}: tensor {entry.name!r} of delta {delta.version} decompresses to fewer "
+                f"than the tensor's {info.nbytes} bytes"
+            )
+        got += n
+
+
+def write_checkpoint_index(out: Path, base: Checkpoint, version: str | None, config: bytes | None) -> None:
+    """Index of a reconstructed checkpoint; it records the version it holds."""
+    metadata: dict[str, object] = {"total_size": base.total_bytes}
+    if version is not None:
+        metadata["version"] = version
+    weight_map = {n: i.path.name for n, i in sorted(base.tensors.items())}
+    if config is not None:
+        (out / "config.json").write_bytes(config)
+    write_json_atomic(out / INDEX_NAME, {"metadata": metadata, "weight_map": weight_map})

@@ -1,0 +1,152 @@
+"""``posttrain chain``: encode, apply, verify and inspect checkpoint chains."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    m = SIZE_RE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512MiB or 1GiB")
+    factor = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * factor)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    chain = sub.add_parser("chain", help="encode, apply, verify and inspect checkpoint chains")
+    csub = chain.add_subparsers(dest="chain_command", metavar="SUBCOMMAND", required=True)
+
+    enc = csub.add_parser("encode", help="write a full snapshot, or a delta against --base, into a chain folder")
+    enc.add_argument("new", type=Path, help="Hugging Face checkpoint folder of the new weights")
+    enc.add_argument("--out", type=Path, required=True, help="chain folder; the snapshot goes to OUT/<identity>")
+    enc.add_argument("--base", type=Path, help="checkpoint folder of the previous weights (writes a delta)")
+    enc.add_argument("--flavor", choices=["coreweave", "slime"], default="coreweave")
+    enc.add_argument("--identity", help="snapshot identity (slime: version number); default: deterministic")
+    enc.add_argument("--base-identity", help="identity of the snapshot the delta builds on")
+    enc.add_argument("--step", type=int, help="training step (default: from checkpoint-N or trainer_state.json)")
+    enc.add_argument("--run", help="run name that goes into the deterministic identity (default: chain folder name)")
+    enc.add_argument("--max-shard-size", type=parse_size, default=1 << 30, help="shard size limit (default 1GiB)")
+    enc.add_argument("--workers", type=int, help="threads (default: one per core)")
+    enc.set_defaults(func=cmd_encode)
+
+    app = csub.add_parser("apply", help="reconstruct a version of a chain into a Hugging Face checkpoint")
+    app.add_argument("chain", type=Path, help="chain folder")
+    app.add_argument("--version", required=True, help="identity (or slime version) to reconstruct")
+    app.add_argument("--out", type=Path, required=True, help="output checkpoint folder (must not exist)")
+    app.add_argument("--from", dest="held", type=Path, help="checkpoint already holding a version on the path")
+    app.add_argument("--boot", type=Path, help="slime: the engine's boot weights (version 0)")
+    app.add_argument("--workers", type=int)
+    app.set_defaults(func=cmd_apply)
+
+    ver = csub.add_parser("verify", help="check every snapshot and every delta checksum of a chain")
+    ver.add_argument("chain", type=Path)
+    ver.add_argument("--boot", type=Path, help="slime: the engine's boot weights (version 0)")
+    ver.add_argument("--workers", type=int)
+    ver.set_defaults(func=cmd_verify)
+
+    ins = csub.add_parser("inspect", help="list a chain's snapshots: kind, base, changed tensors, sizes")
+    ins.add_argument("chain", type=Path)
+    ins.set_defaults(func=cmd_inspect)
+
+
+@contextmanager
+def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    from posttrain.chain.checkpoint import Checkpoint
+    from posttrain.chain.ops import encode_snapshot
+
+    total = Checkpoint.open(args.new).total_bytes
+    with progress_bar("encoding", total) as advance:
+        r = encode_snapshot(
+            args.new, args.out, base_dir=args.base, flavor=args.flavor, identity=args.identity,
+            base_identity=args.base_identity, step=args.step, run=args.run,
+            max_shard_bytes=args.max_shard_size, workers=args.workers, progress=advance,
+        )
+    against = f" against {r.base}" if r.base else ""
+    print(
+        f"{r.kind} snapshot {r.identity}{against}: {r.changed_tensors}/{r.total_tensors} tensors changed, "
+        f"{human_bytes(r.stored_bytes)} = {100 * r.share_of_full:.2f}% of full, density "
+        f"{100 * r.density:.2f}%, {human_bytes(r.throughput)}/s -> {r.path}"
+    )
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from posttrain.chain.ops import reconstruct
+
+    total = _version_bytes(args.chain, args.version, args.held, args.boot)
+    with progress_bar("applying", total) as advance:
+        r = reconstruct(args.chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
+                        workers=args.workers, progress=advance)
+    print(
+        f"version {r.version}: {r.start} + {len(r.deltas)} deltas, {human_bytes(r.bytes)} verified, "
+        f"{human_bytes(r.throughput)}/s -> {r.path}"
+    )
+    return 0
+
+
+def _version_bytes(chain: Path, version: str, held: Path | None, boot: Path | None) -> int:
+    from posttrain.chain.checkpoint import Checkpoint
+    from posttrain.chain.folder import ChainFolder
+
+    full, _ = ChainFolder(chain).resolve(ChainFolder(chain).find(version).name)
+    start = full.path if full is not None else (held or boot)
+    return Checkpoint.open(start).total_bytes if start is not None else 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from posttrain.chain.folder import ChainFolder
+    from posttrain.chain.ops import verify_chain
+
+    chain = ChainFolder(args.chain)
+    total = sum(1 for _ in chain.ordered())
+    paths = verify_chain(args.chain, boot_dir=args.boot, workers=args.workers)
+    deltas = sum(len(p.deltas) for p in paths)
+    print(f"{args.chain}: OK, {total} snapshots, {len(paths)} paths, {deltas} deltas verified")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.chain.ops import inspect_chain
+
+    rows = inspect_chain(args.chain)
+    table = Table(title=str(args.chain))
+    for col in ("snapshot", "kind", "base", "changed tensors", "stored", "% of full"):
+        table.add_column(col, justify="right" if col in ("stored", "% of full", "changed tensors") else "left")
+    for s in rows:
+        table.add_row(s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}",
+                      human_bytes(s.stored_bytes), f"{100 * s.share_of_full:.2f}")
+    Console().print(table)
+    return 0
