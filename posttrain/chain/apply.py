@@ -18,7 +18,14 @@ import xxhash
 import zstandard
 
 from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader
-from posttrain.chain.encode import Progress, _pwrite_all, _run_parallel, default_workers, write_json_atomic
+from posttrain.chain.encode import (
+    Progress,
+    _pwrite_all,
+    _run_parallel,
+    default_workers,
+    preallocate,
+    write_json_atomic,
+)
 from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
@@ -42,6 +49,7 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.reader = ChunkReader()
         self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        self.xor = np.empty(CHUNK_BYTES, dtype=np.uint8)
 
 
 @dataclass
@@ -91,7 +99,7 @@ def apply_chain(
                 fd = os.open(out / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 out_fds.append(fd)
                 _pwrite_all(fd, memoryview(layout.header), 0)
-                os.ftruncate(fd, layout.size)
+                preallocate(fd, layout.size)
                 for i in infos:
                     targets[i.name] = (fd, layout.offsets[i.name])
 
@@ -132,17 +140,21 @@ def _apply_tensor(
     try:
         for chunk in local.reader.chunks(info):
             m = len(chunk)
+            work = chunk  # read-only window until the first delta writes into scratch
             for delta, entry, reader, checksum in streams:
-                xor = local.scratch[:m]
+                xor = local.xor[:m]
                 _read_exact(reader, xor, delta, entry, info)
-                np.bitwise_xor(chunk, xor, out=chunk)
-                checksum.update(chunk)
-            digest.update(chunk)
+                out = local.scratch[:m]
+                np.bitwise_xor(work, xor, out=out)
+                work = out
+                checksum.update(work)
+            digest.update(work)
             if target is not None:
-                _pwrite_all(target[0], chunk, target[1] + pos)
+                _pwrite_all(target[0], work, target[1] + pos)
             pos += m
             if progress:
                 progress(m)
+            del chunk, work
         for delta, entry, reader, checksum in streams:
             if _safe_read(reader, 1, delta, entry):
                 raise FormatError(

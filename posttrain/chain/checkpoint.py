@@ -1,13 +1,14 @@
 """Hugging Face checkpoint directories, read lazily: headers up front, tensor bytes on demand.
 
-Tensor bytes are read with ``pread`` into reusable buffers in bounded chunks, so the resident
-memory of a pass over a checkpoint stays at a few chunks whatever the model size (pages of a
-memory map would count towards the process's RSS until unmapped).
+Tensor bytes are mapped one bounded window at a time (populated up front, unmapped as soon as
+the window is consumed), so a pass over a checkpoint copies nothing out of the page cache and
+its resident memory stays at a few windows whatever the model size.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -124,10 +125,13 @@ def layout_changes(
 
 
 class ChunkReader:
-    """Reads byte ranges of files into one reusable buffer, one open descriptor per file."""
+    """Maps byte ranges of files in windows of at most ``chunk`` bytes, one descriptor per file.
+
+    Callers must not keep a yielded array past the next iteration: its window is unmapped then.
+    """
 
     def __init__(self, chunk: int = CHUNK_BYTES):
-        self.buf = np.empty(chunk, dtype=np.uint8)
+        self.chunk = chunk
         self._fds: dict[Path, int] = {}
 
     def fd(self, path: Path) -> int:
@@ -136,22 +140,26 @@ class ChunkReader:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
 
-    def read(self, path: Path, offset: int, n: int) -> np.ndarray:
-        view = self.buf[:n]
-        mv = memoryview(view)
-        got = 0
-        fd = self.fd(path)
-        while got < n:
-            r = os.preadv(fd, [mv[got:]], offset + got)
-            if r == 0:
-                raise FormatError(f"{path}: truncated, expected {n} bytes at offset {offset}")
-            got += r
-        return view
-
     def chunks(self, info: TensorInfo) -> Iterator[np.ndarray]:
-        chunk = len(self.buf)
-        for start in range(0, info.nbytes, chunk):
-            yield self.read(info.path, info.offset + start, min(chunk, info.nbytes - start))
+        fd = self.fd(info.path)
+        for start in range(0, info.nbytes, self.chunk):
+            n = min(self.chunk, info.nbytes - start)
+            offset = info.offset + start
+            aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+            try:
+                window = mmap.mmap(fd, offset - aligned + n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                   prot=mmap.PROT_READ, offset=aligned)
+            except (OSError, ValueError) as e:
+                raise FormatError(f"{info.path}: cannot read tensor {info.name!r} ({e})") from None
+            arr = np.frombuffer(window, dtype=np.uint8, count=n, offset=offset - aligned)
+            try:
+                yield arr
+            finally:
+                del arr
+                try:
+                    window.close()
+                except BufferError:  # a caller kept a view; the window goes with it
+                    pass
 
     def close(self) -> None:
         for fd in self._fds.values():

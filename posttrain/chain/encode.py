@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from posttrain.chain.checkpoint import INDEX_NAME, Checkpoint, ChunkReader, layout_changes
+from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader, layout_changes
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
@@ -84,6 +84,7 @@ class _Buffers(threading.local):
     def __init__(self) -> None:
         self.new = ChunkReader()
         self.base = ChunkReader()
+        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
 
 
 def _pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
@@ -92,6 +93,14 @@ def _pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
         n = os.pwrite(fd, mv, offset)
         mv = mv[n:]
         offset += n
+
+
+def preallocate(fd: int, size: int) -> None:
+    # Writing into a sparse (ftruncated) file costs ext4 an allocation per write: ~15x slower.
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.ftruncate(fd, size)
 
 
 def _greedy_shards(items: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -142,7 +151,7 @@ def write_full(
             fd = os.open(dest / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             fds.append(fd)
             _pwrite_all(fd, memoryview(layout.header), 0)
-            os.ftruncate(fd, layout.size)
+            preallocate(fd, layout.size)
             files[fname] = layout.size
             for n in group:
                 weight_map[n] = fname
@@ -159,6 +168,7 @@ def write_full(
                 pos += len(chunk)
                 if progress:
                     progress(len(chunk))
+                del chunk
             return TensorResult(name, info.nbytes, digest.hexdigest(), changed_bytes=info.nbytes)
 
         order = sorted(names, key=lambda n: -new.tensors[n].nbytes)  # largest first: cores stay busy
@@ -265,24 +275,21 @@ def _encode_tensor(
     base_digest = xxhash.xxh3_128() if expected_base is not None else None
     spool = spool_dir / f"{threading.get_ident()}-{xxhash.xxh64_hexdigest(info.name.encode())}.zst"
     changed = 0
+    scratch = local.scratch
     with open(spool, "wb") as f:
         writer = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(f, size=info.nbytes, closefd=False)
-        pos = 0
-        chunk = len(local.new.buf)
-        while pos < info.nbytes:
-            m = min(chunk, info.nbytes - pos)
-            cur = local.new.read(info.path, info.offset + pos, m)
-            old = local.base.read(binfo.path, binfo.offset + pos, m)
+        for cur, old in zip(local.new.chunks(info), local.base.chunks(binfo), strict=True):
             checksum.update(cur)
             digest.update(cur)
             if base_digest is not None:
                 base_digest.update(old)
-            np.bitwise_xor(cur, old, out=old)
-            changed += int(np.count_nonzero(old))
-            writer.write(old)
-            pos += m
+            xor = scratch[: len(cur)]
+            np.bitwise_xor(cur, old, out=xor)
+            changed += int(np.count_nonzero(xor))
+            writer.write(xor)
             if progress:
-                progress(m)
+                progress(len(cur))
+            del cur, old
         writer.flush(zstandard.FLUSH_FRAME)
         size = f.tell()
     result = TensorResult(info.name, info.nbytes, digest.hexdigest(), checksum.hexdigest(), changed, size, spool)

@@ -97,12 +97,15 @@ def adam_like_pair(
     seed: int = 0,
     hidden: int = 1024,
     vocab: int = 32768,
+    warmup: int = 10,
 ) -> tuple[Path, Path]:
-    """A bf16 checkpoint and the same after one Adam-like step at ``lr``, plus small fp32/int64 tensors.
+    """A bf16 checkpoint and the same after one Adam step at ``lr``, plus small fp32/int64 tensors.
 
-    The fp32 master weights ~ N(0, 0.02) are cast to bf16; the step moves every master weight by
-    ``lr`` times a unit-scale update clipped at 1.41 (Adam's normalised step), then casts again,
-    so only weights whose rounding changes differ, as in real bf16 training.
+    The fp32 master weights ~ N(0, 0.02) are cast to bf16. The step is Adam's (beta1 0.9, beta2
+    0.999, bias-corrected) with moments accumulated over ``warmup`` earlier steps of N(0, 1)
+    gradients, as in the middle of a run rather than at its very first step (whose update is
+    lr * sign(g) everywhere). Then the master weights are cast again, so only weights whose bf16
+    rounding changes differ, as in real bf16 training.
     """
     rng = np.random.default_rng(seed)
     base_t: dict[str, tuple[str, np.ndarray]] = {}
@@ -112,10 +115,9 @@ def adam_like_pair(
         if name.endswith("layernorm.weight"):
             master += np.float32(1.0)
         base_t[name] = ("BF16", to_bf16_bits(master))
-        step = np.clip(rng.standard_normal(shape, dtype=np.float32), -1.41, 1.41) * np.float32(lr)
-        master += step
+        master += np.float32(lr) * adam_update(rng, shape, warmup)
         new_t[name] = ("BF16", to_bf16_bits(master))
-        del master, step
+        del master
     for name, (dtype, base_arr, new_arr) in _small_tensors(rng, lr).items():
         base_t[name] = (dtype, base_arr)
         new_t[name] = (dtype, new_arr)
@@ -124,6 +126,25 @@ def adam_like_pair(
         write_checkpoint(base_dir, base_t, config=config, shards=2),
         write_checkpoint(new_dir, new_t, config=config, shards=2),
     )
+
+
+def adam_update(rng: np.random.Generator, shape: tuple[int, ...], steps: int) -> np.ndarray:
+    """Adam's normalised update m_hat / (sqrt(v_hat) + eps) after ``steps`` random gradients."""
+    m = np.zeros(shape, np.float32)
+    v = np.zeros(shape, np.float32)
+    for _ in range(steps):
+        g = rng.standard_normal(shape, dtype=np.float32)
+        m *= np.float32(0.9)
+        m += np.float32(0.1) * g
+        g *= g
+        v *= np.float32(0.999)
+        v += np.float32(0.001) * g
+    m /= np.float32(1 - 0.9**steps)
+    v /= np.float32(1 - 0.999**steps)
+    np.sqrt(v, out=v)
+    v += np.float32(1e-8)
+    m /= v
+    return m
 
 
 def _small_tensors(rng: np.random.Generator, lr: float) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:

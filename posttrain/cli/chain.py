@@ -66,15 +66,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+    console = Console(stderr=True)
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
+        console=console,
         transient=True,
+        disable=not console.is_terminal,
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)

@@ -1,0 +1,72 @@
+"""The ``posttrain chain`` commands, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.chain.conftest import load_bytes
+
+
+def posttrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"posttrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def test_encode_apply_verify_inspect(model_pair, tmp_path):
+    base, new = model_pair
+    chain = tmp_path / "chain"
+    full = posttrain("chain", "encode", str(base), "--out", str(chain), "--step", "6")
+    assert full.stdout.startswith("full snapshot step-00000006-")
+    delta = posttrain("chain", "encode", str(new), "--out", str(chain), "--base", str(base))
+    line = delta.stdout.strip()
+    assert line.startswith("delta snapshot step-00000007-") and "tensors changed" in line
+    assert "% of full" in line and "/s" in line
+    identity = line.split()[2]
+    assert (chain / identity / "model.safetensors.index.json").exists()
+
+    out = tmp_path / "out"
+    applied = posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(out))
+    assert f"version {identity}" in applied.stdout and "1 deltas" in applied.stdout
+    assert load_bytes(out) == load_bytes(new)
+
+    assert "OK, 2 snapshots" in posttrain("chain", "verify", str(chain)).stdout
+    inspect = posttrain("chain", "inspect", str(chain)).stdout
+    assert "full" in inspect and "delta" in inspect
+
+    again = posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(out), check=False)
+    assert again.returncode == 2
+    assert again.stderr.strip() == f"posttrain: error: {out} already exists; nothing was overwritten"
+
+
+def test_slime_encode_derives_versions(model_pair, tmp_path):
+    base, new = model_pair
+    chain = tmp_path / "disk"
+    posttrain("chain", "encode", str(base), "--out", str(chain), "--flavor", "slime")
+    second = posttrain("chain", "encode", str(new), "--out", str(chain), "--base", str(base), "--flavor", "slime")
+    assert "weight_v000002 against 000001" in second.stdout
+    index = json.loads((chain / "weight_v000002" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["checksum_format"] == "xxh3-128"
+
+
+def test_bad_identity_is_a_one_line_error(model_pair, tmp_path):
+    base, _ = model_pair
+    proc = posttrain("chain", "encode", str(base), "--out", str(tmp_path / "c"), "--identity", "../x", check=False)
+    assert proc.returncode == 2
+    assert "identity '../x' is not one path segment" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_chain_commands_import_neither_torch_nor_prefect(model_pair, tmp_path):
+    base, _ = model_pair
+    code = (
+        "import sys\n"
+        "from posttrain.cli import main\n"
+        f"rc = main(['chain', 'encode', {str(base)!r}, '--out', {str(tmp_path / 'c')!r}])\n"
+        "heavy = [m for m in ('torch', 'prefect', 'transformers', 'boto3') if m in sys.modules]\n"
+        "assert rc == 0 and not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
