@@ -27,6 +27,15 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def make_console():
+    """A rich console; wide when output is not a terminal, so identities are not cut."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     chain = sub.add_parser("chain", help="encode, apply, verify and inspect checkpoint chains")
     csub = chain.add_subparsers(dest="chain_command", metavar="SUBCOMMAND", required=True)
@@ -140,7 +149,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from posttrain.chain.ops import inspect_chain
@@ -152,5 +160,5 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for s in rows:
         table.add_row(s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}",
                       human_bytes(s.stored_bytes), f"{100 * s.share_of_full:.2f}")
-    Console().print(table)
+    make_console().print(table)
     return 0

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up .venv, start every service the tests need on 127.0.0.1 (single-node Slurm with
+# accounting, SeaweedFS S3, Prefect server), run the whole test suite, stop what it started.
+#   PYTEST_ARGS   extra pytest arguments (e.g. "-k chain -x")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export POSTTRAIN_SERVICES_DIR="${POSTTRAIN_SERVICES_DIR:-/tmp/posttrain-services}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+
+started=()
+cleanup() {
+  for svc in "${started[@]}"; do bash "scripts/services/stop-$svc.sh" >/dev/null 2>&1 || true; done
+}
+trap cleanup EXIT
+
+start() {  # start SERVICE: run its start script, remember to stop it
+  bash "scripts/services/start-$1.sh"
+  started+=("$1")
+}
+
+start slurm
+start s3
+export POSTTRAIN_S3_ENDPOINT="http://127.0.0.1:${S3_PORT:-8333}"
+export POSTTRAIN_REQUIRE_SERVICES=1
+
+set +e
+# shellcheck disable=SC2086
+.venv/bin/python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} tests
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
