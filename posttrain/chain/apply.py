@@ -201,6 +201,28 @@ def _read_exact(reader, out: np.ndarray, delta: DeltaSnapshot, entry: DeltaEntry
         got += n
 
 
+def changed_bytes(delta: DeltaSnapshot) -> int:
+    """Non-zero bytes of every XOR stream of a delta: the bytes it changes."""
+    total = 0
+    buf = np.empty(CHUNK_BYTES, dtype=np.uint8)
+    for entry in delta.entries.values():
+        with open(entry.frame.path, "rb") as f:
+            src = _FrameSlice(f.fileno(), entry.frame)
+            with zstandard.ZstdDecompressor().stream_reader(src, read_across_frames=False) as reader:
+                while n := _safe_readinto(reader, buf, delta, entry):
+                    total += int(np.count_nonzero(buf[:n]))
+    return total
+
+
+def _safe_readinto(reader, buf: np.ndarray, delta: DeltaSnapshot, entry: DeltaEntry) -> int:
+    try:
+        return reader.readinto(memoryview(buf))
+    except zstandard.ZstdError as e:
+        raise FormatError(
+            f"{entry.frame.path}: tensor {entry.name!r} of delta {delta.version}: corrupted zstd stream ({e})"
+        ) from None
+
+
 def write_checkpoint_index(out: Path, base: Checkpoint, version: str | None, config: bytes | None) -> None:
     """Index of a reconstructed checkpoint; it records the version it holds."""
     metadata: dict[str, object] = {"total_size": base.total_bytes}

@@ -31,7 +31,8 @@ from posttrain.chain.encode import (
 from posttrain.chain.errors import ChainError, FormatError, OutputExists, WrongBase
 from posttrain.chain.folder import ChainFolder, SnapshotRef
 from posttrain.chain.format import Flavor, check_identity, make_identity, parse_slime_version, slime_dir
-from posttrain.chain.snapshot import held_version, read_index
+from posttrain.chain.apply import changed_bytes
+from posttrain.chain.snapshot import held_version, open_delta, read_index
 
 CHECKPOINT_STEP_RE = re.compile(r"checkpoint-(\d+)$")
 
@@ -312,7 +313,8 @@ class SnapshotSummary:
         return self.stored_bytes / self.full_bytes if self.full_bytes else 0.0
 
 
-def inspect_chain(chain_dir: str | Path) -> list[SnapshotSummary]:
+def inspect_chain(chain_dir: str | Path, *, density: bool = False) -> list[SnapshotSummary]:
+    """One summary per snapshot; ``density`` decompresses deltas to count the bytes that changed."""
     chain = ChainFolder(chain_dir)
     out = []
     for ref in chain.ordered():
@@ -325,7 +327,8 @@ def inspect_chain(chain_dir: str | Path) -> list[SnapshotSummary]:
             full, _ = chain.resolve(ref.name)
             total, n = _full_size(full)
             changed = len(read_index(ref.path).get("weight_map", {}))
-            out.append(SnapshotSummary(ref.name, "delta", ref.base_version, changed, n, stored, total))
+            dens = changed_bytes(open_delta(ref.path)) / total if density and total else None
+            out.append(SnapshotSummary(ref.name, "delta", ref.base_version, changed, n, stored, total, dens))
     return out
 
 

@@ -70,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     ins = csub.add_parser("inspect", help="list a chain's snapshots: kind, base, changed tensors, sizes")
     ins.add_argument("chain", type=Path)
+    ins.add_argument("--density", action="store_true", help="decompress deltas to measure the bytes they change")
     ins.set_defaults(func=cmd_inspect)
 
 
@@ -153,12 +154,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     from posttrain.chain.ops import inspect_chain
 
-    rows = inspect_chain(args.chain)
+    rows = inspect_chain(args.chain, density=args.density)
     table = Table(title=str(args.chain))
-    for col in ("snapshot", "kind", "base", "changed tensors", "stored", "% of full"):
-        table.add_column(col, justify="right" if col in ("stored", "% of full", "changed tensors") else "left")
+    for col in ("snapshot", "kind", "base", "changed tensors", "density %", "stored", "% of full"):
+        table.add_column(col, justify="left" if col in ("snapshot", "kind", "base") else "right")
     for s in rows:
-        table.add_row(s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}",
+        dens = f"{100 * s.density:.2f}" if s.density is not None else "-"
+        table.add_row(s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}", dens,
                       human_bytes(s.stored_bytes), f"{100 * s.share_of_full:.2f}")
     make_console().print(table)
     return 0

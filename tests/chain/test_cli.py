@@ -34,8 +34,11 @@ def test_encode_apply_verify_inspect(model_pair, tmp_path):
     assert load_bytes(out) == load_bytes(new)
 
     assert "OK, 2 snapshots" in posttrain("chain", "verify", str(chain)).stdout
-    inspect = posttrain("chain", "inspect", str(chain)).stdout
-    assert "full" in inspect and "delta" in inspect
+    inspect = posttrain("chain", "inspect", str(chain), "--density").stdout
+    assert "full" in inspect and identity in inspect
+    delta_row = next(r for r in inspect.splitlines() if identity in r)
+    density = float(delta_row.split("│")[5])
+    assert 0 < density < 100
 
     again = posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(out), check=False)
     assert again.returncode == 2

@@ -37,6 +37,10 @@ def test_full_then_delta_reconstructs_bit_exact(model_pair, tmp_path):
     assert sorted(p.name for p in full.path.iterdir()) == [
         "config.json", "model-00000.safetensors", "model.safetensors.index.json"]
 
+    rows = inspect_chain(chain, density=True)
+    assert [r.kind for r in rows] == ["full", "delta"]
+    assert rows[1].density == pytest.approx(delta.density) and 0 < delta.density < 0.2
+
     out = tmp_path / "rebuilt"
     reconstruct(chain, delta.identity, out)
     assert load_bytes(out) == load_bytes(new)
