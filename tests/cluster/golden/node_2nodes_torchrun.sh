@@ -1,0 +1,13 @@
+#!/bin/bash
+# posttrain job grpo-nightly (run 20250101-000000-abcd): srun runs this once per node,
+# inside the container when an image is set, before submitit's entry point.
+set -euo pipefail
+readonly MASTER_ADDR MASTER_PORT POSTTRAIN_JOB_DIR
+set -a
+source /mnt/shared/secrets/train.env
+set +a
+export NCCL_DEBUG=WARN
+export RUN_LABEL=nightly
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+nvidia-smi -L
+exec "$@"
