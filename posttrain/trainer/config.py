@@ -1,0 +1,177 @@
+"""The trainer's YAML config and its result. Field names follow TRL's GRPOConfig where they exist."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REWARD_FUNC_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class ConfigError(ValueError):
+    """The trainer config file is missing, not YAML, or fails validation (the message names the fields)."""
+
+
+class TrainerConfig(BaseModel):
+    """One training run on a node: ``mode: grpo`` (TRL generates) or ``mode: step`` (rollouts from elsewhere)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["grpo", "step"] = Field(
+        "grpo",
+        description="grpo: a TRL GRPOTrainer run that generates its own completions; "
+        "step: one GRPO update on rollouts sampled elsewhere.",
+    )
+    model_name_or_path: str = Field(
+        description="Model to train: a Hugging Face folder (absolute path on shared storage) or hub id. "
+        "In step mode, the folder of the current policy checkpoint."
+    )
+    output_dir: Path = Field(description="Absolute folder that receives checkpoint-<step>/ folders.")
+    dataset_manifest: Path | None = Field(
+        None, description="grpo: absolute path of a staged dataset's manifest.json (posttrain stage)."
+    )
+    rollouts: Path | None = Field(None, description="step: absolute path of the rollouts JSONL file.")
+    reward_funcs: list[str] = Field(
+        default_factory=list,
+        description="grpo: reward functions as 'module:function' import paths, "
+        "e.g. posttrain.rewards:correctness_reward.",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="grpo: one weight per reward function; None weighs them all 1.0."
+    )
+
+    learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="grpo: learning-rate schedule over max_steps. step mode uses a constant rate."
+    )
+    warmup_steps: int = Field(0, ge=0, description="grpo: steps of linear warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    per_device_train_batch_size: int = Field(
+        8, ge=1, description="grpo: completions (not prompts) per device per step. step: rollouts per micro-batch."
+    )
+    gradient_accumulation_steps: int = Field(1, ge=1, description="grpo: micro-batches per optimizer step.")
+    num_generations: int = Field(8, ge=2, description="grpo: completions sampled per prompt (the group size G).")
+    max_completion_length: int = Field(
+        256, ge=1, description="grpo: most tokens generated per completion; also the dr_grpo normalizer."
+    )
+    max_steps: int | None = Field(None, ge=1, description="grpo: total optimizer steps of the run (required).")
+    save_steps: int = Field(100, ge=1, description="grpo: save a checkpoint every this many steps (and at the end).")
+    save_total_limit: int | None = Field(
+        None, ge=1, description="grpo: keep at most this many checkpoints, deleting the oldest."
+    )
+    seed: int = Field(0, description="Random seed.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; step mode scales logits by it too.")
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling threshold.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the reference model; 0 loads no reference.")
+    ref_model_name_or_path: str | None = Field(
+        None, description="step: reference model for the KL term, required when beta > 0."
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the policy ratio.")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None uses epsilon.")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo",
+        description="Loss aggregation: dapo = mean over all completion tokens; grpo = mean per sequence, "
+        "then over sequences; dr_grpo = token sum / (sequences x max_completion_length).",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's reward std, the batch's, or not at all."
+    )
+    num_iterations: int = Field(1, ge=1, description="Optimizer passes over each batch (PPO epochs, mu).")
+    importance_sampling_cap: float = Field(
+        2.0, ge=1, description="step: cap on the truncated importance weight pi_old / pi_behaviour per token."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="step: drop rollouts sampled more than this many policy versions ago."
+    )
+    logging_steps: int = Field(1, ge=1, description="grpo: log metrics every this many steps.")
+    bf16: bool = Field(False, description="Train in bfloat16 (needs a GPU or a CPU with bf16 support).")
+    use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present.")
+    gradient_checkpointing: bool = Field(False, description="grpo: trade compute for activation memory.")
+
+    @field_validator("output_dir", "dataset_manifest", "rollouts")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"must be an absolute path on shared storage, got {str(value)!r}")
+        return value
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _import_paths(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not re.match(REWARD_FUNC_PATTERN, v)]
+        if bad:
+            raise ValueError(f"expected 'module:function' import paths, got {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> TrainerConfig:
+        problems = []
+        if self.mode == "grpo":
+            for name in ("dataset_manifest", "max_steps"):
+                if getattr(self, name) is None:
+                    problems.append(f"{name}: required when mode is grpo")
+            if not self.reward_funcs:
+                problems.append("reward_funcs: at least one is required when mode is grpo")
+            completions = self.per_device_train_batch_size * self.gradient_accumulation_steps
+            if completions % self.num_generations:
+                problems.append(
+                    f"per_device_train_batch_size x gradient_accumulation_steps ({completions}) must be a "
+                    f"multiple of num_generations ({self.num_generations})"
+                )
+        else:
+            if self.rollouts is None:
+                problems.append("rollouts: required when mode is step")
+            if self.beta > 0 and self.ref_model_name_or_path is None:
+                problems.append("ref_model_name_or_path: required when mode is step and beta > 0")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            problems.append(
+                f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class TrainingResult(BaseModel):
+    """What a call of ``run_training`` achieved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["grpo", "step"] = Field(description="The config's mode.")
+    global_step: int = Field(ge=0, description="Optimizer steps taken in total, across restarts.")
+    policy_version: int | None = Field(
+        None, description="step: policy version of the written checkpoint (input version + 1)."
+    )
+    checkpoint: Path | None = Field(None, description="The last complete checkpoint in output_dir.")
+    resumed_from: Path | None = Field(
+        None, description="Checkpoint this call resumed from; None when it started fresh."
+    )
+    completed: bool = Field(description="True when the run reached its end (max_steps, or the step is saved).")
+    stopped_early: bool = Field(False, description="True when a stop request (SIGTERM, requeue) ended it early.")
+    already_done: bool = Field(False, description="True when an earlier attempt had finished; nothing was trained.")
+    metrics: dict[str, float] = Field(default_factory=dict, description="Final training metrics.")
+
+
+def load_trainer_config(path: str | os.PathLike[str]) -> TrainerConfig:
+    """Read and validate a trainer YAML file; errors name the file and the fields at fault."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of trainer settings")
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"  - {'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"{path}: invalid trainer config:\n" + "\n".join(lines)) from None

@@ -1,0 +1,190 @@
+"""``mode: grpo``: a TRL GRPOTrainer run that resumes from the last complete checkpoint in output_dir.
+
+Imports transformers; ``run_training`` imports this module only when a grpo run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from posttrain.datasets.staging import read_staged_rows
+from posttrain.trainer.config import ConfigError, TrainerConfig, TrainingResult
+from posttrain.watch import IncompleteCheckpoint, checkpoint_dirs, inspect_checkpoint, last_complete_checkpoint
+
+log = logging.getLogger(__name__)
+
+# Written before trainer_state.json (which the watch requires), so a complete checkpoint has them;
+# checking anyway keeps a weights-only folder from being picked for a resume.
+RESUME_FILES = ("optimizer.pt", "scheduler.pt")
+
+
+def resolve_reward_func(import_path: str) -> Callable:
+    """The function named by ``'module:function'``."""
+    module_name, _, attr = import_path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"reward_funcs: cannot import {module_name!r} for {import_path!r}: {e}") from None
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ConfigError(f"reward_funcs: {module_name!r} has no function {attr!r} ({import_path!r})")
+    return func
+
+
+def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResult:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    output_dir = config.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resume = last_complete_checkpoint(output_dir, required_files=RESUME_FILES)
+    assert config.max_steps is not None  # the config validator requires it in grpo mode
+    if resume is not None and resume.step >= config.max_steps:
+        return TrainingResult(
+            mode="grpo",
+            global_step=resume.step,
+            checkpoint=resume.path,
+            resumed_from=resume.path,
+            completed=True,
+            already_done=True,
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        _discard_incomplete_checkpoints(output_dir, after_step=resume.step if resume else -1)
+
+    rows = read_staged_rows(config.dataset_manifest)
+    reward_funcs = [resolve_reward_func(p) for p in config.reward_funcs]
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+    tokenizer.padding_side = "left"  # GRPOTrainer generates from left-padded prompts
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(
+        config.model_name_or_path, dtype=torch.bfloat16 if config.bf16 else torch.float32
+    )
+    stopper = StopOnRequest(stop_event)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=grpo_arguments(config),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[stopper],
+    )
+    if resume is not None:
+        log.info("resuming from %s", resume.path)
+    output = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
+    last = last_complete_checkpoint(output_dir)
+    global_step = trainer.state.global_step
+    return TrainingResult(
+        mode="grpo",
+        global_step=global_step,
+        checkpoint=last.path if last else None,
+        resumed_from=resume.path if resume else None,
+        completed=global_step >= config.max_steps,
+        stopped_early=stopper.stopped,
+        metrics=_final_metrics(output.metrics, trainer.state.log_history),
+    )
+
+
+def grpo_arguments(config: TrainerConfig):
+    """TRL's GRPOConfig for a TrainerConfig: full checkpoints (resumable), no vLLM, no reporting."""
+    from trl import GRPOConfig
+
+    # transformers 5 renamed gradient_checkpointing (TRL defaults it to True) and warns on the old name.
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return GRPOConfig(
+        output_dir=str(config.output_dir),
+        max_steps=config.max_steps,
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        num_generations=config.num_generations,
+        max_completion_length=config.max_completion_length,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type=config.lr_scheduler_type,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        beta=config.beta,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        loss_type=config.loss_type,
+        scale_rewards=config.scale_rewards,
+        num_iterations=config.num_iterations,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=0,  # the inference deployment supports only temperature and top_p
+        reward_weights=config.reward_weights,
+        logging_steps=config.logging_steps,
+        save_strategy="steps",
+        save_steps=config.save_steps,
+        save_total_limit=config.save_total_limit,
+        save_only_model=False,  # optimizer, scheduler and RNG state are what make a resume exact
+        seed=config.seed,
+        bf16=config.bf16,
+        use_cpu=config.use_cpu,
+        use_vllm=False,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **{checkpointing: config.gradient_checkpointing},
+    )
+
+
+class StopOnRequest(TrainerCallback):
+    """Once ``stop_event`` is set, save a checkpoint at the end of the current step and stop."""
+
+    def __init__(self, stop_event: threading.Event):
+        self.stop_event = stop_event
+        self.stopped = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._requested(args) and state.global_step < state.max_steps:
+            log.warning("stop requested: saving checkpoint-%d and stopping", state.global_step)
+            self.stopped = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def _requested(self, args) -> bool:
+        """Whether any rank was asked to stop: all ranks must save and stop at the same step."""
+        requested = self.stop_event.is_set()
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor(float(requested), device=args.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            requested = bool(flag.item())
+        return requested
+
+
+def _discard_incomplete_checkpoints(output_dir: Path, after_step: int) -> None:
+    """Remove checkpoint folders a killed attempt left half-written; training rewrites those steps."""
+    for step, path in checkpoint_dirs(output_dir):
+        if step <= after_step:
+            continue
+        try:
+            inspect_checkpoint(path)
+        except IncompleteCheckpoint as e:
+            log.warning("removing incomplete checkpoint left by an earlier attempt: %s", e)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _final_metrics(train_metrics: dict, log_history: list[dict]) -> dict[str, float]:
+    metrics = {k: float(v) for k, v in train_metrics.items() if isinstance(v, int | float)}
+    for entry in reversed(log_history):  # the last step's training log (reward, loss, ...)
+        if "reward" in entry:
+            metrics.update({k: float(v) for k, v in entry.items() if isinstance(v, int | float)})
+            break
+    return metrics

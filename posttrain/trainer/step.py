@@ -1,0 +1,341 @@
+"""``mode: step``: one GRPO update of the current policy on rollouts sampled elsewhere.
+
+Reads the policy folder (``model_name_or_path``) and the rollouts file, drops rollouts older than
+``max_staleness`` versions, computes group advantages, and takes ``num_iterations`` optimizer
+steps of the clipped objective with truncated importance sampling (the sampler's policy may be
+one version stale, or numerically different). The result is written atomically as
+``<output_dir>/checkpoint-<step>/``: weights (safetensors), config, tokenizer files,
+``optimizer.pt`` (AdamW moments carry over to the next step) and ``trainer_state.json``
+(a ``PolicyState``). Re-running the same step finds its checkpoint and does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.trainer.config import TrainerConfig, TrainingResult
+from posttrain.trainer.grpo_math import (
+    aggregate_loss,
+    group_advantages,
+    per_token_policy_loss,
+    token_logps,
+    truncated_importance_weights,
+)
+from posttrain.trainer.rollouts import Rollout, RolloutError, load_rollouts
+from posttrain.watch import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+class StepError(RuntimeError):
+    """A step cannot run or its output folder holds something else; the message names the path."""
+
+
+class PolicyState(BaseModel):
+    """``trainer_state.json`` of a checkpoint written by a step: where it came from and what it did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    global_step: int = Field(ge=0, description="Optimizer steps since the base model.")
+    policy_version: int = Field(ge=0, description="Version of this policy; the input's version + 1.")
+    source_checkpoint: str = Field(description="The policy folder this step started from.")
+    rollouts: str = Field(description="The rollouts file trained on.")
+    rollouts_sha256: str = Field(description="SHA-256 of the rollouts file.")
+    rollouts_used: int = Field(ge=0, description="Rollouts that entered the loss.")
+    rollouts_dropped_stale: int = Field(ge=0, description="Rollouts dropped as older than max_staleness.")
+    metrics: dict[str, float] = Field(description="Loss, gradient norm, rewards and importance-weight statistics.")
+    created: datetime = Field(description="When the checkpoint was written (UTC).")
+
+
+def policy_position(model_dir: Path) -> tuple[int, int]:
+    """(global_step, policy_version) of a policy folder: from its trainer_state.json, else (0, 0).
+
+    A Hugging Face Trainer checkpoint records no policy version; each of its steps was one
+    policy update, so its version is its global step.
+    """
+    path = model_dir / TRAINER_STATE_FILE
+    if not path.exists():
+        return 0, 0
+    state = json.loads(path.read_text())
+    step = int(state.get("global_step", 0))
+    return step, int(state.get("policy_version", step))
+
+
+def select_fresh(rollouts: list[Rollout], current_version: int, max_staleness: int) -> tuple[list[Rollout], int]:
+    """Rollouts sampled at most ``max_staleness`` versions before ``current_version``, and how many were dropped."""
+    future = sorted({r.policy_version for r in rollouts if r.policy_version > current_version})
+    if future:
+        raise RolloutError(
+            f"rollouts carry policy_version {future} newer than the policy being trained ({current_version})"
+        )
+    fresh = [r for r in rollouts if r.policy_version >= current_version - max_staleness]
+    return fresh, len(rollouts) - len(fresh)
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, T], right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T-1], 1 where position t predicts a completion token
+    behaviour_logps: torch.Tensor  # [B, T-1], zeros off the mask
+    advantages: torch.Tensor  # [B]
+
+
+def collate(rollouts: list[Rollout], advantages: list[float], pad_id: int) -> MicroBatch:
+    """Right-padded prompt+completion sequences with the completion mask and behaviour log-probs."""
+    length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    n = len(rollouts)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    mask = torch.zeros((n, length - 1))
+    behaviour = torch.zeros((n, length - 1))
+    for i, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(r.prompt_ids + r.completion_ids)
+        attention_mask[i, : p + c] = 1
+        mask[i, p - 1 : p - 1 + c] = 1  # position t predicts token t+1
+        behaviour[i, p - 1 : p - 1 + c] = torch.tensor(r.logprobs)
+    return MicroBatch(input_ids, attention_mask, mask, behaviour, torch.tensor(advantages, dtype=torch.float32))
+
+
+def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResult:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(config.model_name_or_path)
+    if not model_dir.is_dir():
+        raise StepError(f"model_name_or_path {str(model_dir)!r}: step mode needs the folder of the current policy")
+    assert config.rollouts is not None  # the config validator requires it in step mode
+    start_step, version = policy_position(model_dir)
+    rollouts, rollouts_sha = load_rollouts(config.rollouts)
+    new_step = start_step + config.num_iterations
+    target = config.output_dir / f"checkpoint-{new_step}"
+    finished = _already_written(target, model_dir, rollouts_sha)
+    if finished is not None:
+        return finished
+
+    fresh, dropped = select_fresh(rollouts, version, config.max_staleness)
+    if not fresh:
+        raise RolloutError(
+            f"{config.rollouts}: all {len(rollouts)} rollouts are more than max_staleness="
+            f"{config.max_staleness} versions older than policy version {version}"
+        )
+    advantages = group_advantages([r.reward for r in fresh], [r.group_id for r in fresh], config.scale_rewards)
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not config.use_cpu else "cpu")
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    torch.manual_seed(config.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model.eval()  # no dropout: the ratio must compare the same function before and after the update
+    _check_token_ids(fresh, model.get_input_embeddings().num_embeddings, config.rollouts)
+    ref_model = None
+    if config.beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(config.ref_model_name_or_path, dtype=dtype).to(device)
+        ref_model.eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    restored = _load_optimizer_state(optimizer, model_dir, config)
+
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    size = config.per_device_train_batch_size
+    batches = [collate(fresh[i : i + size], advantages[i : i + size], pad_id) for i in range(0, len(fresh), size)]
+    metrics = _train(model, ref_model, optimizer, batches, config, stop_event, device)
+    if metrics is None:
+        return TrainingResult(mode="step", global_step=start_step, completed=False, stopped_early=True, checkpoint=None)
+    metrics.update(
+        mean_reward=sum(r.reward for r in fresh) / len(fresh),
+        rollouts_used=float(len(fresh)),
+        rollouts_dropped_stale=float(dropped),
+        optimizer_state_restored=float(restored),
+    )
+    state = PolicyState(
+        global_step=new_step,
+        policy_version=version + 1,
+        source_checkpoint=str(model_dir),
+        rollouts=str(config.rollouts),
+        rollouts_sha256=rollouts_sha,
+        rollouts_used=len(fresh),
+        rollouts_dropped_stale=dropped,
+        metrics=metrics,
+        created=datetime.now(UTC),
+    )
+    _save_atomically(model, optimizer, model_dir, target, state)
+    return TrainingResult(
+        mode="step",
+        global_step=new_step,
+        policy_version=state.policy_version,
+        checkpoint=target,
+        completed=True,
+        metrics=metrics,
+    )
+
+
+def _train(model, ref_model, optimizer, batches, config, stop_event, device) -> dict[str, float] | None:
+    """``num_iterations`` optimizer steps over all micro-batches; None when stopped before the end."""
+    total_tokens = float(sum(b.mask.sum() for b in batches))
+    total_sequences = sum(b.advantages.shape[0] for b in batches)
+    eps_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+
+    def logps(m, b):
+        logits = m(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device)).logits
+        return token_logps(logits, b.input_ids.to(device), config.temperature)
+
+    with torch.no_grad():
+        old = [logps(model, b) for b in batches]  # pi_old: the policy before this update
+        ref = [logps(ref_model, b) for b in batches] if ref_model is not None else [None] * len(batches)
+
+    metrics: dict[str, float] = {}
+    for _ in range(config.num_iterations):
+        if stop_event.is_set():
+            return None
+        optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(("loss", "is_weight", "is_capped", "clipped", "old_minus_behaviour"), 0.0)
+        for batch, old_logps, ref_logps in zip(batches, old, ref, strict=True):
+            mask = batch.mask.to(device)
+            behaviour = batch.behaviour_logps.to(device)
+            new_logps = logps(model, batch)
+            weights = truncated_importance_weights(old_logps, behaviour, config.importance_sampling_cap)
+            token_loss = per_token_policy_loss(
+                new_logps,
+                old_logps,
+                batch.advantages.to(device),
+                epsilon_low=config.epsilon,
+                epsilon_high=eps_high,
+                is_weights=weights,
+                ref_logps=ref_logps,
+                beta=config.beta,
+            )
+            loss = aggregate_loss(
+                token_loss,
+                mask,
+                config.loss_type,
+                total_tokens=total_tokens,
+                total_sequences=total_sequences,
+                max_completion_length=config.max_completion_length,
+            )
+            loss.backward()
+            with torch.no_grad():
+                ratio = torch.exp(new_logps - old_logps)
+                clipped = (ratio < 1 - config.epsilon) | (ratio > 1 + eps_high)
+                sums["loss"] += loss.item()
+                sums["is_weight"] += float((weights * mask).sum())
+                sums["is_capped"] += float(((weights >= config.importance_sampling_cap).float() * mask).sum())
+                sums["clipped"] += float((clipped.float() * mask).sum())
+                sums["old_minus_behaviour"] += float(((old_logps - behaviour) * mask).sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        tokens = max(total_tokens, 1.0)
+        metrics = {
+            "loss": sums["loss"],
+            "grad_norm": float(grad_norm),
+            "is_weight_mean": sums["is_weight"] / tokens,
+            "is_capped_fraction": sums["is_capped"] / tokens,
+            "clip_fraction": sums["clipped"] / tokens,
+            "mean_logp_old_minus_behaviour": sums["old_minus_behaviour"] / tokens,
+            "completion_tokens": total_tokens,
+        }
+    return metrics
+
+
+def _check_token_ids(rollouts: list[Rollout], vocab: int, path) -> None:
+    top = max(max(r.prompt_ids + r.completion_ids) for r in rollouts)
+    if top >= vocab:
+        raise RolloutError(f"{path}: token id {top} is outside the model's vocabulary of {vocab}")
+
+
+def _load_optimizer_state(optimizer, model_dir: Path, config: TrainerConfig) -> bool:
+    """Restore AdamW moments saved by the previous step; False when there are none to restore.
+
+    Only step checkpoints qualify: a Hugging Face Trainer's optimizer.pt groups parameters differently.
+    """
+    path = model_dir / OPTIMIZER_FILE
+    try:
+        PolicyState.model_validate_json((model_dir / TRAINER_STATE_FILE).read_bytes())
+    except (OSError, ValueError):
+        return False
+    if not path.exists():
+        return False
+    try:
+        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise StepError(f"{path}: optimizer state does not fit the model ({e})") from None
+    for group in optimizer.param_groups:  # the config, not the saved state, sets the rate
+        group["lr"] = config.learning_rate
+        group["weight_decay"] = config.weight_decay
+    return True
+
+
+def _already_written(target: Path, model_dir: Path, rollouts_sha: str) -> TrainingResult | None:
+    """The result of an earlier attempt of this very step, or None; StepError if target holds another."""
+    if not target.exists():
+        return None
+    try:
+        inspect_checkpoint(target)
+        state = PolicyState.model_validate_json((target / TRAINER_STATE_FILE).read_bytes())
+    except (IncompleteCheckpoint, ValueError) as e:
+        raise StepError(f"{target}: already exists and is not a complete step checkpoint ({e})") from None
+    if state.source_checkpoint != str(model_dir) or state.rollouts_sha256 != rollouts_sha:
+        raise StepError(
+            f"{target}: already holds a step from {state.source_checkpoint} on rollouts "
+            f"{state.rollouts_sha256[:12]}, not from {model_dir} on rollouts {rollouts_sha[:12]}"
+        )
+    log.info("step already written by an earlier attempt: %s", target)
+    return TrainingResult(
+        mode="step",
+        global_step=state.global_step,
+        policy_version=state.policy_version,
+        checkpoint=target,
+        completed=True,
+        already_done=True,
+        metrics=state.metrics,
+    )
+
+
+def _save_atomically(model, optimizer, model_dir: Path, target: Path, state: PolicyState) -> None:
+    """Write the checkpoint under a temporary name, sync it, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in target.parent.glob(f"tmp-{target.name}-*"):  # from a killed attempt
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = target.parent / f"tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / name)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / TRAINER_STATE_FILE).write_text(state.model_dump_json(indent=2) + "\n")
+        for path in tmp.iterdir():
+            _fsync(path)
+        os.rename(tmp, target)
+        _fsync(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,26 @@
+"""Reward functions with TRL's signature."""
+
+from __future__ import annotations
+
+from posttrain.rewards import completion_text, correctness_reward, format_reward, length_reward
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_completion_text_accepts_strings_and_messages():
+    assert completion_text("7") == "7" and completion_text(_chat("seven")) == "seven"
+
+
+def test_correctness_uses_the_answer_column():
+    completions = [_chat("7"), _chat("It is 7."), "apple", _chat("8"), ""]
+    answers = ["7", "7", "Apple", "7", "7"]
+    scores = correctness_reward(completions=completions, answer=answers, prompts=[None] * 5, trainer_state=None)
+    assert scores == [1.0, 0.5, 1.0, 0.0, 0.0]
+
+
+def test_format_and_length_rewards():
+    completions = ["7", "a\nb", "", "x" * 40]
+    assert format_reward(completions) == [1.0, 0.5, 0.0, 0.0]
+    assert length_reward(["12345678", "", "1234"]) == [1.0, 0.0, 0.5]
