@@ -68,6 +68,11 @@ class ChainWriter:
         path = self.state_dir / "records" / f"{identity}.json"
         return SnapshotRecord.model_validate_json(path.read_text()) if path.exists() else None
 
+    def records(self) -> list[SnapshotRecord]:
+        folder = self.state_dir / "records"
+        found = [SnapshotRecord.model_validate_json(p.read_text()) for p in folder.glob("*.json")] if folder.exists() else []
+        return sorted(found, key=lambda r: r.step)
+
     def add(
         self,
         checkpoint: str | Path,

@@ -1,0 +1,158 @@
+"""Publishing chains: order, back-pressure, rotation, idempotency, crash safety on a real S3 server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from posttrain.chain.policy import ChainPolicy
+from posttrain.publish import PublishConfig, Publisher
+from posttrain.publish.fetch import reconstruct_from_store
+from posttrain.publish.ledger import Ledger
+from posttrain.publish.publisher import published_steps
+from posttrain.storage import LocalStore, S3Store
+from tests.chain.conftest import load_bytes, perturb, random_tensor, save_torch_checkpoint
+
+
+@pytest.fixture
+def run_checkpoints(tmp_path):
+    """Six checkpoints of a training run, a few bytes of each tensor changing per step."""
+    rng = np.random.default_rng(5)
+    state = {f"layer.{i}.weight": random_tensor(rng, "BF16", (256, 128)) for i in range(6)}
+    state["norm"] = random_tensor(rng, "F32", (128,))
+    out = []
+    for step in range(1, 7):
+        state = {n: perturb(rng, t, 0.02) for n, t in state.items()}
+        out.append(save_torch_checkpoint(tmp_path / "output" / f"checkpoint-{step}", state, shards=2))
+    return out
+
+
+def check_store(store, checkpoints, tmp_path) -> None:
+    """Every step published exactly once, and every version reconstructs bit-exact from the store."""
+    steps = published_steps(store)
+    assert sorted(steps) == list(range(1, len(checkpoints) + 1)), steps
+    assert all(len(ids) == 1 for ids in steps.values()), steps
+    ledger = Ledger(store)
+    latest, _ = ledger.latest()
+    assert latest is not None and latest.step == len(checkpoints)
+    snapshot_dirs = {k.split("/")[0] for k in store.list() if not k.startswith(".")}
+    assert snapshot_dirs == {ids[0] for ids in steps.values()}  # nothing half-written left behind
+    cache = tmp_path / f"cache-{time.monotonic_ns()}"
+    for step, ckpt in enumerate(checkpoints, start=1):
+        out = tmp_path / f"check-{time.monotonic_ns()}-{step}"
+        reconstruct_from_store(store, steps[step][0], out, cache_dir=cache)
+        assert load_bytes(out) == load_bytes(ckpt), f"step {step}"
+
+
+@pytest.mark.parametrize("async_publish", [False, True])
+def test_publish_in_order_to_a_folder_store(run_checkpoints, tmp_path, async_publish):
+    store = LocalStore(tmp_path / "store")
+    config = PublishConfig(run="r1", work_dir=tmp_path / "work", async_publish=async_publish, queue_size=1,
+                           policy=ChainPolicy(max_deltas=3))
+    seen = []
+    pub = Publisher(store, config, on_published=lambda p: seen.append((p.step, p.kind)))
+    for ckpt in run_checkpoints:
+        pub.submit(ckpt)
+    pub.drain()
+    pub.close()
+    assert seen == [(1, "full"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "full"), (6, "delta")]
+    check_store(store, run_checkpoints, tmp_path)
+    # submitting the same checkpoints again (a retried task) publishes nothing new
+    again = Publisher(store, config)
+    for ckpt in run_checkpoints:
+        again.submit(ckpt)
+    assert again.drain() == []
+
+
+def test_spooled_checkpoints_survive_rotation(run_checkpoints, tmp_path):
+    store = LocalStore(tmp_path / "store")
+    kept = tmp_path / "kept"
+    shutil.copytree(run_checkpoints[0].parent, kept)
+    config = PublishConfig(run="r1", work_dir=tmp_path / "work", async_publish=True, queue_size=6)
+    pub = Publisher(store, config)
+    for ckpt in run_checkpoints:
+        pub.submit(ckpt)
+        shutil.rmtree(ckpt)  # save_total_limit rotation deletes it right away
+    pub.drain()
+    pub.close()
+    check_store(store, sorted(kept.iterdir(), key=lambda p: int(p.name.split("-")[1])), tmp_path)
+
+
+CRASH_POINTS = [
+    "after_spool:1", "after_spool:4", "after_encode:1", "after_encode:3", "after_file:1", "after_file:4",
+    "before_index:2", "after_index:1", "after_ledger:3", "after_latest:2", "after_cleanup:1", "after_promote:5",
+]
+
+
+def publish_cmd(store_uri: str, work: Path, checkpoints, endpoint: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "posttrain", "publish", *map(str, checkpoints), "--store", store_uri,
+           "--run", "crash", "--work-dir", str(work), "--max-deltas", "3"]
+    if endpoint:
+        cmd += ["--endpoint-url", endpoint, "--region", "us-east-1", "--part-size", str(5 << 20)]
+    return cmd
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_killed_publisher_finishes_when_run_again(run_checkpoints, tmp_path, point, seaweedfs_bucket):
+    endpoint, bucket = seaweedfs_bucket
+    prefix = f"crash/{point.replace(':', '-')}-{time.monotonic_ns()}"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    cmd = publish_cmd(f"s3://{bucket}/{prefix}", tmp_path / "work", run_checkpoints, endpoint)
+    crashed = subprocess.run(cmd, env={**env, "POSTTRAIN_CRASH_AT": point}, capture_output=True, text=True)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    store = S3Store(_config(endpoint, bucket, prefix))
+    check_store(store, run_checkpoints, tmp_path)
+
+
+def test_killed_at_random_moments(run_checkpoints, tmp_path, seaweedfs_bucket):
+    """SIGKILL from outside while encoding and uploading, three times, then a clean run."""
+    endpoint, bucket = seaweedfs_bucket
+    prefix = f"crash/random-{time.monotonic_ns()}"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    cmd = publish_cmd(f"s3://{bucket}/{prefix}", tmp_path / "work", run_checkpoints, endpoint)
+    for delay in (0.9, 1.2, 1.5):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path)
+
+
+def _config(endpoint: str, bucket: str, prefix: str):
+    from posttrain.storage import S3StoreConfig
+
+    return S3StoreConfig(bucket=bucket, prefix=prefix, endpoint_url=endpoint, region="us-east-1",
+                         access_key_id="test", secret_access_key="test", addressing_style="path")
+
+
+def test_publishing_completes_through_a_faulty_s3_connection(run_checkpoints, tmp_path, seaweedfs_bucket):
+    """A proxy fails a fifth of the S3 requests (503 SlowDown and connection resets)."""
+    from posttrain.storage import S3StoreConfig
+    from posttrain.storage.faultproxy import FaultProxy
+
+    endpoint, bucket = seaweedfs_bucket
+    prefix = f"faults/{time.monotonic_ns()}"
+    with FaultProxy(endpoint, fault_rate=0.2, seed=7) as proxy:
+        store = S3Store(S3StoreConfig(bucket=bucket, prefix=prefix, endpoint_url=proxy.url, region="us-east-1",
+                                      access_key_id="test", secret_access_key="test", addressing_style="path",
+                                      part_size=5 << 20, max_attempts=8))
+        pub = Publisher(store, PublishConfig(run="faulty", work_dir=tmp_path / "work", async_publish=False,
+                                             policy=ChainPolicy(max_deltas=3)))
+        for ckpt in run_checkpoints:
+            pub.submit(ckpt)
+        pub.drain()
+        stats = dict(proxy.stats)
+    assert stats.get("503", 0) > 0 and stats.get("reset", 0) > 0, stats
+    check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path)
