@@ -69,9 +69,11 @@ class ChainWriter:
         return SnapshotRecord.model_validate_json(path.read_text()) if path.exists() else None
 
     def records(self) -> list[SnapshotRecord]:
+        """Every snapshot written, in the order written."""
         folder = self.state_dir / "records"
-        found = [SnapshotRecord.model_validate_json(p.read_text()) for p in folder.glob("*.json")] if folder.exists() else []
-        return sorted(found, key=lambda r: r.step)
+        paths = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns) if folder.exists() else []
+        found = [SnapshotRecord.model_validate_json(p.read_text()) for p in paths]
+        return sorted(found, key=lambda r: r.step)  # stable: same-step records keep their order
 
     def add(
         self,

@@ -135,6 +135,20 @@ class Publisher:
         else:
             self.resume()
 
+    def snapshot_for_step(self, step: int) -> PublishedSnapshot | None:
+        """The newest published snapshot of ``step`` (a retried publish finds it here)."""
+        for record in reversed(self.writer.records()):
+            if record.step != step:
+                continue
+            entry = self.ledger.get(record.identity)
+            if entry is not None:
+                return PublishedSnapshot(
+                    identity=entry.identity, kind=entry.kind, base=entry.base, step=entry.step,
+                    stored_bytes=entry.stored_bytes, raw_bytes=entry.raw_bytes, uploaded_bytes=0,
+                    encode_seconds=record.seconds, upload_seconds=0.0,
+                )
+        return None
+
     def resume(self) -> list[PublishedSnapshot]:
         """Publish everything spooled (after a crash, too), in step order, in this thread."""
         done = []

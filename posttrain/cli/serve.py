@@ -1,0 +1,92 @@
+"""``posttrain serve``: the reference inference server (token-id completions and the hot-load API)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="reference inference server: token-id completions and the CoreWeave hot-load API",
+        description="Serve a Hugging Face causal LM on 127.0.0.1 with /v1/completions (token ids in and out) "
+        "and the v1alpha1 hot-load API over a snapshot chain in a store. Every call needs the bearer token.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="boot weights: a Hugging Face model folder")
+    p.add_argument("--served-model-name", help="name requests give as `model` (default: the folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
+    p.add_argument("--deployment-id", required=True, help="id of the deployment this server is")
+    p.add_argument("--store", required=True, help="where the snapshot chain lives: a folder, file:// or s3:// URI")
+    p.add_argument("--prefix", default="", help="prefix in the store; snapshots are <prefix>/<identity>/<file>")
+    p.add_argument("--s3-endpoint-url", help="S3 endpoint for an s3:// store (credentials from the environment)")
+    p.add_argument("--s3-region", help="S3 region for an s3:// store")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token-env", default="CW_API_TOKEN",
+                       help="environment variable holding the bearer token (default CW_API_TOKEN)")
+    token.add_argument("--token-file", type=Path, help="file whose first line is the bearer token")
+    p.add_argument("--work-dir", type=Path, help="snapshot cache and rebuilt weights (default: a temporary folder)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas the hot-load API reports (default 1)")
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    p.add_argument("--max-n", type=int, default=64, help="largest n a request may ask")
+    p.add_argument("--max-batch-rows", type=int, default=64, help="sequences sampled together")
+    p.add_argument("--test-hooks", action="store_true",
+                   help="serve /_test/faults and /_test/stats to inject faults (tests only)")
+    p.add_argument("--faults", help="JSON list of faults armed at start (implies --test-hooks)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import json
+    import logging
+    import os
+    import signal
+    import threading
+
+    from pydantic import ValidationError
+
+    from posttrain.cli import UsageError
+    from posttrain.inference.serve_config import ServeConfig, read_token
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        token = read_token(file=args.token_file) if args.token_file else read_token(env=args.token_env)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    options = {k: v for k, v in (("endpoint_url", args.s3_endpoint_url), ("region", args.s3_region)) if v}
+    try:
+        faults = json.loads(args.faults) if args.faults else []
+    except ValueError:
+        raise UsageError("--faults must be a JSON list of faults") from None
+    try:
+        config = ServeConfig(
+            model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+            deployment_id=args.deployment_id, store=args.store, prefix=args.prefix, store_options=options,
+            token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device,
+            max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_batch_rows=args.max_batch_rows,
+            test_hooks=args.test_hooks, faults=faults,
+        )
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                             for err in e.errors(include_url=False, include_input=False))
+        raise UsageError(problems) from None
+    if not args.model.is_dir():
+        raise UsageError(f"--model {args.model}: not a folder")
+
+    from posttrain.inference.server import InferenceServer
+
+    server = InferenceServer(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"posttrain serve: {server.model_name} for deployment {config.deployment_id} on {server.url}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.shutdown()
+    return 0

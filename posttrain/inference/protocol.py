@@ -1,0 +1,66 @@
+"""Names of the hot-load contract (shared/spec/hotload-api.md), shared by the client and the server."""
+
+from __future__ import annotations
+
+import re
+
+IDENTITY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # one path segment (delta-format.md)
+MAX_IDENTITY_LEN = 255
+
+API_PREFIX = "/v1alpha1/inference/hotLoads"
+
+STATE_PENDING = "HOT_LOAD_STATE_PENDING"
+STATE_RUNNING = "HOT_LOAD_STATE_RUNNING"
+STATE_COMPLETED = "HOT_LOAD_STATE_COMPLETED"
+STATE_FAILED = "HOT_LOAD_STATE_FAILED"
+STATE_CANCELED = "HOT_LOAD_STATE_CANCELED"
+TERMINAL_STATES = frozenset({STATE_COMPLETED, STATE_FAILED, STATE_CANCELED})
+
+TYPE_FULL = "SNAPSHOT_TYPE_FULL"
+TYPE_INCREMENTAL = "SNAPSHOT_TYPE_INCREMENTAL"
+SNAPSHOT_TYPES = (TYPE_FULL, TYPE_INCREMENTAL)
+
+CACHE_RESET_ALL = "PROMPT_CACHE_POLICY_RESET_ALL"
+CACHE_PRESERVE = "PROMPT_CACHE_POLICY_PRESERVE"
+CACHE_POLICIES = (CACHE_RESET_ALL, CACHE_PRESERVE)
+
+COMPRESSION_ZSTD = "COMPRESSION_FORMAT_ZSTD"
+CHECKSUM_ADLER32 = "CHECKSUM_FORMAT_ADLER32"
+
+REPLICA_READY = "READY"
+REPLICA_LOADING = "LOADING"
+REPLICA_ERROR = "ERROR"
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+MAX_CHAIN_DELTAS = 128
+
+# gRPC status codes as grpc-gateway writes them in error bodies: {"code", "message", "details"}
+GRPC_INVALID_ARGUMENT = 3
+GRPC_NOT_FOUND = 5
+GRPC_ALREADY_EXISTS = 6
+GRPC_FAILED_PRECONDITION = 9
+GRPC_UNIMPLEMENTED = 12
+GRPC_INTERNAL = 13
+GRPC_UNAVAILABLE = 14
+GRPC_UNAUTHENTICATED = 16
+GRPC_RESOURCE_EXHAUSTED = 8
+
+# the HTTP status grpc-gateway gives each code
+GRPC_HTTP_STATUS = {
+    GRPC_INVALID_ARGUMENT: 400,
+    GRPC_NOT_FOUND: 404,
+    GRPC_ALREADY_EXISTS: 409,
+    GRPC_FAILED_PRECONDITION: 400,
+    GRPC_UNIMPLEMENTED: 501,
+    GRPC_INTERNAL: 500,
+    GRPC_UNAVAILABLE: 503,
+    GRPC_UNAUTHENTICATED: 401,
+    GRPC_RESOURCE_EXHAUSTED: 429,
+}
+
+
+def unwrap_hot_load(body: dict) -> dict:
+    """The operation object of a create or get reply, whether wrapped in ``hotLoad`` or not."""
+    inner = body.get("hotLoad") if isinstance(body, dict) else None
+    return inner if isinstance(inner, dict) else body
