@@ -1,10 +1,10 @@
 """The ledger in the store: one entry per published snapshot and a ``latest`` pointer.
 
 Layout under the store's prefix (next to the snapshot folders, which consumers address by
-identity and never list):
+identity and never list), one folder per run, since runs share a deployment's prefix:
 
-    .posttrain/ledger/<identity>.json   a published snapshot: kind, base, step, files, sizes
-    .posttrain/latest.json              the newest published snapshot, advanced conditionally
+    .posttrain/runs/<run>/ledger/<identity>.json   a published snapshot: kind, base, step, files
+    .posttrain/runs/<run>/latest.json              the newest published snapshot, advanced conditionally
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.storage import NotFound, PreconditionFailed, Store
 
-LEDGER_PREFIX = ".posttrain/ledger/"
-LATEST_KEY = ".posttrain/latest.json"
+RUNS_PREFIX = ".posttrain/runs/"
 
 
 class PublishedFile(BaseModel):
@@ -55,29 +54,32 @@ class Latest(BaseModel):
 
 
 class Ledger:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, run: str):
         self.store = store
+        self.run = run
+        self.prefix = f"{RUNS_PREFIX}{run}/ledger/"
+        self.latest_key = f"{RUNS_PREFIX}{run}/latest.json"
 
     def put(self, entry: LedgerEntry) -> None:
-        self.store.put_bytes(LEDGER_PREFIX + f"{entry.identity}.json", entry.model_dump_json(indent=2).encode())
+        self.store.put_bytes(self.prefix + f"{entry.identity}.json", entry.model_dump_json(indent=2).encode())
 
     def get(self, identity: str) -> LedgerEntry | None:
         try:
-            data, _ = self.store.get_bytes(LEDGER_PREFIX + f"{identity}.json")
+            data, _ = self.store.get_bytes(self.prefix + f"{identity}.json")
         except NotFound:
             return None
         return LedgerEntry.model_validate_json(data)
 
     def entries(self) -> list[LedgerEntry]:
         out = []
-        for key in self.store.list(LEDGER_PREFIX):
+        for key in self.store.list(self.prefix):
             if key.endswith(".json"):
                 out.append(LedgerEntry.model_validate_json(self.store.get_bytes(key)[0]))
         return sorted(out, key=lambda e: (e.step, e.published_at))
 
     def latest(self) -> tuple[Latest | None, str | None]:
         try:
-            data, etag = self.store.get_bytes(LATEST_KEY)
+            data, etag = self.store.get_bytes(self.latest_key)
         except NotFound:
             return None, None
         return Latest.model_validate_json(data), etag
@@ -91,13 +93,13 @@ class Ledger:
             body = json.dumps(new.model_dump()).encode()
             try:
                 if etag is None:
-                    self.store.put_bytes(LATEST_KEY, body, if_none_match=True)
+                    self.store.put_bytes(self.latest_key, body, if_none_match=True)
                 else:
-                    self.store.put_bytes(LATEST_KEY, body, if_match=etag)
+                    self.store.put_bytes(self.latest_key, body, if_match=etag)
                 return
             except PreconditionFailed:
                 continue  # moved under us, or our own retried write landed: look again
-        raise PreconditionFailed(f"{LATEST_KEY}: kept changing while advancing it to {new.identity}")
+        raise PreconditionFailed(f"{self.latest_key}: kept changing while advancing it to {new.identity}")
 
     def delete(self, identity: str) -> None:
-        self.store.delete([LEDGER_PREFIX + f"{identity}.json"])
+        self.store.delete([self.prefix + f"{identity}.json"])

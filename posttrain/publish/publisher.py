@@ -94,7 +94,7 @@ class Publisher:
                  on_published: Callable[[PublishedSnapshot], None] | None = None):
         self.store = store
         self.config = config
-        self.ledger = Ledger(store)
+        self.ledger = Ledger(store, config.run)
         self.on_published = on_published
         self.queue_dir = config.work_dir / "queue"
         self.writer = ChainWriter(config.work_dir / "chain", flavor=config.flavor, run=config.run,
@@ -323,10 +323,10 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def published_steps(store: Store) -> dict[int, list[str]]:
-    """Step -> identities in the ledger (more than one means a duplicate)."""
+def published_steps(store: Store, run: str) -> dict[int, list[str]]:
+    """Step -> identities in the run's ledger (more than one means a duplicate)."""
     out: dict[int, list[str]] = {}
-    for e in Ledger(store).entries():
+    for e in Ledger(store, run).entries():
         out.setdefault(e.step, []).append(e.identity)
     return out
 

@@ -35,12 +35,12 @@ def run_checkpoints(tmp_path):
     return out
 
 
-def check_store(store, checkpoints, tmp_path) -> None:
+def check_store(store, checkpoints, tmp_path, run: str) -> None:
     """Every step published exactly once, and every version reconstructs bit-exact from the store."""
-    steps = published_steps(store)
+    steps = published_steps(store, run)
     assert sorted(steps) == list(range(1, len(checkpoints) + 1)), steps
     assert all(len(ids) == 1 for ids in steps.values()), steps
-    ledger = Ledger(store)
+    ledger = Ledger(store, run)
     latest, _ = ledger.latest()
     assert latest is not None and latest.step == len(checkpoints)
     snapshot_dirs = {k.split("/")[0] for k in store.list() if not k.startswith(".")}
@@ -64,7 +64,7 @@ def test_publish_in_order_to_a_folder_store(run_checkpoints, tmp_path, async_pub
     pub.drain()
     pub.close()
     assert seen == [(1, "full"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "full"), (6, "delta")]
-    check_store(store, run_checkpoints, tmp_path)
+    check_store(store, run_checkpoints, tmp_path, "r1")
     # submitting the same checkpoints again (a retried task) publishes nothing new
     again = Publisher(store, config)
     for ckpt in run_checkpoints:
@@ -83,7 +83,7 @@ def test_spooled_checkpoints_survive_rotation(run_checkpoints, tmp_path):
         shutil.rmtree(ckpt)  # save_total_limit rotation deletes it right away
     pub.drain()
     pub.close()
-    check_store(store, sorted(kept.iterdir(), key=lambda p: int(p.name.split("-")[1])), tmp_path)
+    check_store(store, sorted(kept.iterdir(), key=lambda p: int(p.name.split("-")[1])), tmp_path, "r1")
 
 
 CRASH_POINTS = [
@@ -111,7 +111,7 @@ def test_killed_publisher_finishes_when_run_again(run_checkpoints, tmp_path, poi
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     store = S3Store(_config(endpoint, bucket, prefix))
-    check_store(store, run_checkpoints, tmp_path)
+    check_store(store, run_checkpoints, tmp_path, "crash")
 
 
 def test_killed_at_random_moments(run_checkpoints, tmp_path, seaweedfs_bucket):
@@ -127,7 +127,7 @@ def test_killed_at_random_moments(run_checkpoints, tmp_path, seaweedfs_bucket):
         proc.wait()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path)
+    check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path, "crash")
 
 
 def _config(endpoint: str, bucket: str, prefix: str):
@@ -155,4 +155,4 @@ def test_publishing_completes_through_a_faulty_s3_connection(run_checkpoints, tm
         pub.drain()
         stats = dict(proxy.stats)
     assert stats.get("503", 0) > 0 and stats.get("reset", 0) > 0, stats
-    check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path)
+    check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path, "faulty")
