@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Set up .venv and run the main job end to end on the embedded defaults.
+# Set up .venv and run the main job end to end on the embedded defaults: a Prefect server on
+# 127.0.0.1, a local training process, a folder object store, the reference inference server and
+# a tiny model built here. The Prefect server keeps running afterwards, to look at the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
-exec .venv/bin/posttrain demo "$@"
+export TOKENIZERS_PARALLELISM=false
+bash scripts/services/start-prefect.sh
+export PREFECT_API_URL="http://127.0.0.1:${PREFECT_PORT:-4200}/api"
+.venv/bin/posttrain demo "$@"
+echo "Prefect server: stop it with: bash scripts/services/stop-prefect.sh"

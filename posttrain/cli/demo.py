@@ -1,17 +1,43 @@
-"""``posttrain demo``: the main job on the embedded defaults, on this machine."""
+"""``posttrain demo``: the main job on the embedded defaults, on this machine.
+
+A tiny model and a toy prompt set are built locally; training runs as a local process; snapshots
+go to a folder store; the reference inference server hot-loads them and serves the rollouts.
+It runs a nightly pass (train → publish → hot-load every checkpoint), then GRPO rounds.
+"""
 
 from __future__ import annotations
 
 import argparse
-import time
+import secrets
 from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the main job end to end on the embedded defaults")
     p.add_argument("--workdir", type=Path, default=Path("runs") / "demo", help="where everything is written")
-    p.add_argument("--size-mib", type=int, default=64, help="size of the generated checkpoints")
+    p.add_argument("--steps", type=int, default=4, help="training steps of the nightly pass")
+    p.add_argument("--rounds", type=int, default=2, help="GRPO rounds")
     p.set_defaults(func=cmd_demo)
+
+
+def demo_settings(work: Path, base_model: Path, dataset: Path, *, steps: int, rounds: int):
+    from posttrain.flows.settings import GrpoSettings, NightlySettings
+
+    rewards = ["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"]
+    nightly = NightlySettings(
+        run_name="demo-nightly", base_model=str(base_model), dataset=str(dataset), shared_dir=str(work / "shared"),
+        trainer={"reward_funcs": rewards, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
+                 "num_generations": 4, "max_completion_length": 8, "max_steps": steps, "save_steps": 1,
+                 "use_cpu": True},
+        watch_poll_s=0.5,
+    )
+    grpo = GrpoSettings(
+        run_name="demo-grpo", base_model=str(base_model), dataset=str(dataset), shared_dir=str(work / "shared"),
+        rounds=rounds, prompts_per_round=8, shards=2,
+        rollout={"num_generations": 4, "max_completion_length": 8, "reward_funcs": rewards},
+        trainer={"learning_rate": 1e-3, "use_cpu": True},
+    )
+    return nightly, grpo
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -19,56 +45,61 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
-    from posttrain.chain.checkpoint import Checkpoint
-    from posttrain.chain.ops import reconstruct, verify_chain
-    from posttrain.chain.synthetic import adam_like_pair
-    from posttrain.chain.writer import ChainWriter
-    from posttrain.cli.chain import human_bytes, make_console, progress_bar
+    from posttrain.cli.chain import make_console
+    from posttrain.datasets.toy import write_toy_jsonl
+    from posttrain.deployments.embedded import save_default_blocks
+    from posttrain.inference.serve_config import ServeConfig
+    from posttrain.inference.server import InferenceServer
+    from posttrain.models.tiny import build_tiny_model
 
     console = make_console()
     work = args.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     console.print(f"[bold]posttrain demo[/] in {work}")
-    t0 = time.perf_counter()
-    base, new = adam_like_pair(work / "checkpoint-1", work / "checkpoint-2", total_bytes=args.size_mib << 20,
-                               lr=1e-6, hidden=512, vocab=16384)
-    console.print(f"generated two bf16 checkpoints one Adam step apart in {time.perf_counter() - t0:.1f}s")
+    base = build_tiny_model(work / "models" / "tiny-base", seed=0)
+    dataset = write_toy_jsonl(work / "data" / "prompts.jsonl", n=32, seed=0, task="mixed")
+    store = work / "store"
+    token = secrets.token_urlsafe(24)
+    server = InferenceServer(ServeConfig(model_dir=base, served_model_name="tiny", port=0,
+                                         deployment_id="posttrain-demo", store=str(store), token=token,
+                                         work_dir=work / "inference", device="cpu"))
+    server.start()
+    try:
+        console.print(f"reference inference server on {server.url} (deployment posttrain-demo)")
+        save_default_blocks(store_dir=store, server_url=server.url, deployment_id="posttrain-demo", model="tiny",
+                            token=token)
+        nightly_settings, grpo_settings = demo_settings(work, base, dataset, steps=args.steps, rounds=args.rounds)
 
-    chain = work / "chain"
-    writer = ChainWriter(chain, run="demo")
-    table = Table(title="snapshots")
-    for col in ("step", "snapshot", "kind", "changed tensors", "stored", "% of full", "throughput"):
-        table.add_column(col)
-    prev = None
-    for ckpt in (base, new):
-        with progress_bar(f"encoding {ckpt.name}", Checkpoint.open(ckpt).total_bytes) as advance:
-            r = writer.add(ckpt, base=prev, progress=advance)
-        table.add_row(str(r.step), r.identity, r.kind, f"{r.changed_tensors}/{r.total_tensors}",
-                      human_bytes(r.stored_bytes), f"{100 * r.stored_bytes / r.raw_bytes:.2f}",
-                      f"{human_bytes(r.raw_bytes / r.seconds)}/s")
-        prev = ckpt
-    console.print(table)
-    verify_chain(chain)
-    head = writer.head()
-    out = work / "reconstructed"
-    rec = reconstruct(chain, head.identity, out)
-    same = _same_tensors(out, new)
-    console.print(f"chain verified; version {head.identity} reconstructed at "
-                  f"{human_bytes(rec.throughput)}/s, bit-exact: {same}")
-    console.print(f"results: chain {chain}, reconstructed checkpoint {out}")
-    return 0 if same else 1
+        from posttrain.flows.grpo import grpo
+        from posttrain.flows.nightly import nightly_post_training
 
+        nightly = nightly_post_training(nightly_settings)
+        table = Table(title="nightly pass: every checkpoint published and hot-loaded")
+        for col in nightly.snapshots[0] if nightly.snapshots else []:
+            table.add_column(col)
+        for row in nightly.snapshots:
+            table.add_row(*(str(v) for v in row.values()))
+        console.print(table)
 
-def _same_tensors(a: Path, b: Path) -> bool:
-    from posttrain.chain.checkpoint import Checkpoint, ChunkReader
+        report = grpo(grpo_settings)
+        table = Table(title="GRPO rounds")
+        for col in report.rounds[0]:
+            table.add_column(col)
+        for row in report.rounds:
+            table.add_row(*(str(v) for v in row.values()))
+        console.print(table)
+    finally:
+        server.shutdown()
+    console.print(f"the deployment serves {report.final_snapshot}; final policy at {report.final_checkpoint}")
+    console.print("[bold]where to look[/]:")
+    console.print(f"  run folders      {work / 'shared' / 'runs'}")
+    console.print(f"  snapshot chain   {store}  (posttrain chain inspect {store})")
+    console.print(f"  reward curve     {report.reward_curve}")
+    import os
 
-    ca, cb = Checkpoint.open(a), Checkpoint.open(b)
-    if ca.layout() != cb.layout():
-        return False
-    with ChunkReader() as ra, ChunkReader() as rb:
-        for name, info in ca.tensors.items():
-            for x, y in zip(ra.chunks(info), rb.chunks(cb.tensors[name]), strict=True):
-                if not (x == y).all():
-                    return False
-    return True
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        console.print(f"  Prefect UI       {api.removesuffix('/api')}  (flow runs, artifacts: tables, progress, "
+                      "reward curve)")
+    return 0

@@ -1,0 +1,91 @@
+"""The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
+from the deployment as concurrent subflows, then trains one step on the cluster."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from prefect import flow, get_run_logger, unmapped
+from pydantic import BaseModel, ConfigDict
+
+from posttrain.datasets.staging import read_staged_rows
+from posttrain.flows.settings import GrpoSettings, trainer_config
+from posttrain.rollouts.shard import ShardSpec, merge_rollouts
+from posttrain.tasks.publishing import hot_load, publish_checkpoint
+from posttrain.tasks.report import reward_curve, round_table
+from posttrain.tasks.rollouts import rollout_shard_task
+from posttrain.tasks.staging import stage
+from posttrain.tasks.training import train_step
+
+
+class GrpoReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str
+    rounds: list[dict]
+    final_checkpoint: str
+    final_snapshot: str
+    reward_curve: str
+    run_dir: str
+
+
+def round_prompts(rows: list[dict], round: int, per_round: int) -> list[dict]:
+    """The round's prompts: the dataset read in order, wrapping around."""
+    start = round * per_round
+    return [rows[(start + i) % len(rows)] for i in range(per_round)]
+
+
+def split(items: list, shards: int) -> list[list]:
+    return [items[i::shards] for i in range(shards) if items[i::shards]]
+
+
+@flow(name="grpo", log_prints=True)
+def grpo(settings: GrpoSettings) -> GrpoReport:
+    logger = get_run_logger()
+    run_dir = settings.run_dir
+    staged = stage(settings.dataset, settings.shared_dir)
+    rows = read_staged_rows(staged.manifest_path)
+    current = settings.base_model
+    table: list[dict] = []
+    for r in range(settings.rounds):
+        t0 = time.perf_counter()
+        snapshot = publish_checkpoint(current, r, settings)
+        t_pub = time.perf_counter() - t0
+        loaded = hot_load(snapshot, settings) if settings.inference else None
+        t_load = time.perf_counter() - t0 - t_pub
+        round_dir = run_dir / "rounds" / f"{r:04d}"
+        specs = [
+            ShardSpec(round=r, shard=s, rows=chunk, policy_version=r, out_path=round_dir / f"shard-{s:03d}.jsonl")
+            for s, chunk in enumerate(split(round_prompts(rows, r, settings.prompts_per_round), settings.shards))
+        ]
+        futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
+                                         unmapped(current))
+        shards = futures.result()
+        rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
+        rewards = [(s.reward_mean, s.samples) for s in shards]
+        n = sum(k for _, k in rewards)
+        mean = sum(m * k for m, k in rewards) / max(n, 1)
+        spread = statistics.pstdev([s.reward_mean for s in shards]) if len(shards) > 1 else 0.0
+        std = statistics.fmean([s.reward_std for s in shards])
+        trainer = trainer_config(settings.trainer, mode="step", model_name_or_path=current,
+                                 output_dir=run_dir / "policy", rollouts=rollouts)
+        current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"))
+        table.append({
+            "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
+            "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
+            "kind": snapshot.kind, "delta % of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
+            "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
+            "round s": round(time.perf_counter() - t0, 2),
+        })
+        round_table(settings.run_name, table)
+        logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
+    final = publish_checkpoint(current, settings.rounds, settings)
+    if settings.inference:
+        hot_load(final, settings)
+    svg = reward_curve(settings.run_name, [row["reward mean"] for row in table], [row["reward std"] for row in table])
+    curve = run_dir / "reward-curve.svg"
+    curve.parent.mkdir(parents=True, exist_ok=True)
+    curve.write_text(svg)
+    return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
+                      final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir))

@@ -1,0 +1,97 @@
+"""Typed parameters of the flows (their deployments enforce these schemas)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from posttrain.chain.format import Flavor
+from posttrain.rollouts.shard import RolloutSettings
+from posttrain.trainer.config import TrainerConfig
+
+RUN_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?$")
+
+# Fields the flows fill in themselves.
+_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts"}
+
+#: Trainer settings a flow run may override (names and meanings as in TRL); unset means the default.
+TrainerSettings = create_model(
+    "TrainerSettings",
+    __config__=ConfigDict(extra="forbid"),
+    **{
+        name: (Optional[field.annotation], Field(None, description=field.description))  # noqa: UP007
+        for name, field in TrainerConfig.model_fields.items()
+        if name not in _FILLED
+    },
+)
+
+
+def trainer_config(settings: BaseModel, **filled) -> TrainerConfig:
+    """A TrainerConfig from the flow's overrides plus what the flow fills in."""
+    values = {k: v for k, v in settings.model_dump().items() if v is not None}
+    return TrainerConfig(**values, **filled)
+
+
+class PublishSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    flavor: Flavor = Field(Flavor.COREWEAVE, description="Chain flavour: coreweave or slime.")
+    max_deltas: int = Field(128, ge=0, le=128, description="Deltas after a full snapshot before the next full one.")
+    delta_budget: float = Field(1.0, gt=0, description="Delta bytes allowed since a full snapshot, in full snapshots.")
+    max_shard_size: int = Field(1 << 30, gt=0, description="Shard size limit in bytes.")
+    retention: bool = Field(False, description="Delete chains superseded by a newer full snapshot.")
+
+
+class RunSettings(BaseModel):
+    """What every pipeline run needs: names, places, and the blocks to use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str = Field(description="Run name (lowercase letters, digits, dashes); names folders and identities.")
+    base_model: str = Field(description="Absolute path of the model to start from (a Hugging Face folder).")
+    dataset: str = Field(description="Absolute path of a JSONL or Parquet file of conversational prompts.")
+    shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.")
+    cluster: str = Field("posttrain-local-cluster/default", description="Cluster block: <block-type-slug>/<name>.")
+    store: str = Field("posttrain-object-store/default", description="Object store block: <slug>/<name>.")
+    inference: str | None = Field(
+        "posttrain-inference-deployment/default", description="Inference deployment block, or null for none."
+    )
+    publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        if not RUN_NAME_RE.match(v):
+            raise ValueError("must be 1-52 lowercase letters, digits or dashes, starting and ending alphanumeric")
+        return v
+
+    @field_validator("base_model", "dataset", "shared_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not Path(v).is_absolute():
+            raise ValueError(f"{v!r} is not an absolute path")
+        return v
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.shared_dir) / "runs" / self.run_name
+
+
+class NightlySettings(RunSettings):
+    """The nightly post-training run: stage, train, publish and hot-load every checkpoint."""
+
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="TRL GRPO settings.")
+    watch_poll_s: float = Field(2.0, gt=0, description="Seconds between looks for new checkpoints.")
+
+
+class GrpoSettings(RunSettings):
+    """GRPO with rollouts sampled from the inference deployment, round by round."""
+
+    rounds: int = Field(2, ge=1, description="GRPO rounds (publish, hot-load, sample, train).")
+    prompts_per_round: int = Field(8, ge=1, description="Prompts sampled per round.")
+    shards: int = Field(2, ge=1, description="Rollout shards per round, sampled concurrently.")
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Sampling and rewards.")
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Settings of the training step.")

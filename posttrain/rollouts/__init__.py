@@ -1,0 +1,1 @@
+"""GRPO rollouts sampled from an inference deployment: client, shards, scoring."""

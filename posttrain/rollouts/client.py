@@ -1,0 +1,91 @@
+"""Client of an inference deployment's ``/v1/completions`` with token ids in and out.
+
+Token ids are taken from the reply (``token_ids``, or ``logprobs.tokens`` written
+``token_id:<int>``); text is never re-tokenized, which would be unsafe for RL.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import requests
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class CompletionsError(Exception):
+    """A completions call failed; the message never holds the token."""
+
+
+class CompletionsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gateway_url: str = Field(description="Data-plane URL of the deployment (its /v1/completions).")
+    model: str = Field(description="Model name the deployment serves.")
+    token: SecretStr | None = Field(None, description="Bearer token, if the gateway needs one.")
+    timeout_s: float = Field(120.0, gt=0, description="Seconds per request.")
+    max_attempts: int = Field(5, ge=1, description="Attempts per request on connection errors, 429 and 5xx.")
+    backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each attempt, with jitter.")
+
+
+@dataclass(frozen=True)
+class Choice:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+class CompletionsClient:
+    def __init__(self, config: CompletionsConfig):
+        self.config = config
+        self.session = requests.Session()
+        if config.token is not None:
+            self.session.headers["Authorization"] = f"Bearer {config.token.get_secret_value()}"
+
+    def close(self) -> None:
+        self.session.close()
+
+    def complete(self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float,
+                 top_p: float) -> list[Choice]:
+        body = {"model": self.config.model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p, "logprobs": 1, "return_tokens_as_token_ids": True,
+                "echo": False}
+        reply = self._post("/v1/completions", body)
+        choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
+        if len(choices) != n:
+            raise CompletionsError(f"{self.config.gateway_url}: asked for {n} choices, got {len(choices)}")
+        return [_choice(c) for c in choices]
+
+    def _post(self, path: str, body: dict) -> dict:
+        url = self.config.gateway_url.rstrip("/") + path
+        last = ""
+        for attempt in range(1, self.config.max_attempts + 1):
+            try:
+                resp = self.session.post(url, json=body, timeout=self.config.timeout_s)
+            except requests.RequestException as e:
+                last = f"{type(e).__name__}"
+            else:
+                if resp.status_code == 200:
+                    return resp.json()
+                if resp.status_code != 429 and resp.status_code < 500:
+                    raise CompletionsError(f"POST {url}: HTTP {resp.status_code}: {resp.text[:300]}")
+                last = f"HTTP {resp.status_code}"
+            if attempt < self.config.max_attempts:
+                time.sleep(self.config.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
+        raise CompletionsError(f"POST {url}: failed after {self.config.max_attempts} attempts ({last})")
+
+
+def _choice(c: dict) -> Choice:
+    lp = c.get("logprobs") or {}
+    ids = c.get("token_ids")
+    if ids is None:
+        tokens = lp.get("tokens") or []
+        try:
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+        except (IndexError, ValueError):
+            raise CompletionsError("reply has no token ids (token_ids, or logprobs.tokens as token_id:<int>)") from None
+    logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+    if len(logprobs) != len(ids):
+        raise CompletionsError(f"reply has {len(ids)} token ids but {len(logprobs)} logprobs")
+    return Choice(list(map(int, ids)), logprobs, c.get("finish_reason"))

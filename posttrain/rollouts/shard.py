@@ -1,0 +1,145 @@
+"""One rollout shard: sample completions from the deployment, score them, write rollouts.
+
+Every rollout carries the policy version that sampled it. The shard's output file is written
+atomically, so a retried shard either finds it complete or writes it anew.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.rollouts.client import CompletionsClient
+
+
+class RolloutSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the group size).")
+    max_completion_length: int = Field(32, ge=1, description="Most tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["posttrain.rewards:correctness_reward"],
+        description="Reward functions by import path (module:function), with TRL's signature.",
+    )
+    reward_weights: list[float] | None = Field(None, description="Weight of each reward function (default 1).")
+
+
+class ShardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    round: int = Field(ge=0, description="GRPO round.")
+    shard: int = Field(ge=0, description="Shard index within the round.")
+    rows: list[dict[str, Any]] = Field(description="Prompt rows: 'prompt' messages plus extra columns.")
+    policy_version: int = Field(ge=0, description="Version of the weights the deployment serves.")
+    out_path: Path = Field(description="Rollouts JSONL written by the shard.")
+
+
+class ShardResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    round: int
+    shard: int
+    path: Path
+    samples: int
+    reward_mean: float
+    reward_std: float
+    advantage_abs_mean: float
+    policy_version: int
+    seconds: float
+
+
+def load_reward_funcs(paths: list[str]) -> list[Callable[..., list[float | None]]]:
+    funcs = []
+    for i, path in enumerate(paths):
+        module, _, name = path.partition(":")
+        if not module or not name:
+            raise ValueError(f"reward_funcs[{i}] {path!r}: expected module:function")
+        try:
+            funcs.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward_funcs[{i}] {path!r}: cannot import ({e})") from None
+    return funcs
+
+
+def score(funcs, weights: list[float] | None, prompts: list, completions: list, completion_ids: list,
+          columns: dict[str, list]) -> list[float]:
+    weights = weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions")
+    total = [0.0] * len(completions)
+    for f, w in zip(funcs, weights, strict=True):
+        values = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        for i, v in enumerate(values):
+            if v is not None and not math.isnan(v):
+                total[i] += w * float(v)
+    return total
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversational prompt through the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def run_shard(spec: ShardSpec, settings: RolloutSettings, client: CompletionsClient, tokenizer) -> ShardResult:
+    from posttrain.trainer.grpo_math import group_advantages
+    from posttrain.trainer.rollouts import Rollout
+    from posttrain.trainer.sampling import write_rollouts
+
+    t0 = time.perf_counter()
+    funcs = load_reward_funcs(settings.reward_funcs)
+    rollouts: list[Rollout] = []
+    for i, row in enumerate(spec.rows):
+        messages = row["prompt"]
+        prompt_ids = chat_prompt_ids(tokenizer, messages)
+        choices = client.complete(prompt_ids, n=settings.num_generations, max_tokens=settings.max_completion_length,
+                                  temperature=settings.temperature, top_p=settings.top_p)
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in choices]
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+        extra = {k: [v] * len(choices) for k, v in row.items() if k != "prompt"}
+        rewards = score(funcs, settings.reward_weights, [messages] * len(choices), completions,
+                        [c.token_ids for c in choices], extra)
+        group = f"r{spec.round}-s{spec.shard}-p{i}"
+        for j, (c, r) in enumerate(zip(choices, rewards, strict=True)):
+            if not c.token_ids:
+                continue
+            rollouts.append(Rollout(prompt_ids=prompt_ids, completion_ids=c.token_ids, logprobs=c.logprobs,
+                                    reward=r, group_id=group, policy_version=spec.policy_version,
+                                    sample_id=f"{group}-c{j}", metadata={"text": texts[j]}))
+    advantages = group_advantages([r.reward for r in rollouts], [r.group_id for r in rollouts]) if rollouts else []
+    tmp = spec.out_path.with_name(f".{spec.out_path.name}.tmp")
+    write_rollouts(tmp, rollouts)
+    tmp.replace(spec.out_path)
+    rewards = [r.reward for r in rollouts]
+    return ShardResult(
+        round=spec.round, shard=spec.shard, path=spec.out_path, samples=len(rollouts),
+        reward_mean=statistics.fmean(rewards) if rewards else 0.0,
+        reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        advantage_abs_mean=statistics.fmean(abs(a) for a in advantages) if advantages else 0.0,
+        policy_version=spec.policy_version, seconds=time.perf_counter() - t0,
+    )
+
+
+def merge_rollouts(paths: list[Path], out: Path) -> Path:
+    """Concatenate shard files into the round's rollouts file (atomically)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for p in paths:
+            for line in Path(p).read_text().splitlines():
+                if line.strip():
+                    json.loads(line)  # a torn shard file fails here, not in training
+                    f.write(line + "\n")
+    tmp.replace(out)
+    return out
