@@ -19,9 +19,14 @@ start() {  # start SERVICE: run its start script, remember to stop it
   started+=("$1")
 }
 
+# Own state folder and port for the suite's Prefect server, apart from the demo's.
+export PREFECT_PORT="${POSTTRAIN_TEST_PREFECT_PORT:-4300}"
+export POSTTRAIN_PREFECT_DIR="$POSTTRAIN_SERVICES_DIR/prefect-tests"
 start slurm
 start s3
+start prefect
 export POSTTRAIN_S3_ENDPOINT="http://127.0.0.1:${S3_PORT:-8333}"
+export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 export POSTTRAIN_REQUIRE_SERVICES=1
 
 set +e

@@ -1,0 +1,28 @@
+"""``posttrain prefect-setup``: register block types and create work pools on a Prefect server."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefect-setup", help="register posttrain's block types and create its work pools")
+    p.add_argument("--no-kubernetes-pool", action="store_true", help="create only the process work pool")
+    p.add_argument("--default-store", type=Path,
+                   help="also save the embedded default blocks: local cluster and this folder as the store")
+    p.set_defaults(func=cmd_setup)
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    from posttrain.deployments.setup import create_pools, register_blocks
+
+    print("block types:", ", ".join(register_blocks()))
+    print("work pools:", ", ".join(create_pools(kubernetes=not args.no_kubernetes_pool)))
+    if args.default_store is not None:
+        from posttrain.blocks import LocalCluster, ObjectStore
+
+        LocalCluster().save("default", overwrite=True)
+        ObjectStore(uri=str(args.default_store.resolve())).save("default", overwrite=True)
+        print("default blocks: posttrain-local-cluster/default, posttrain-object-store/default")
+    return 0
