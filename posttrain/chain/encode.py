@@ -24,6 +24,7 @@ from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, Chun
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
+from posttrain.fsutil import fsync_path as fsync_dir
 
 ZSTD_LEVEL = 1
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -351,10 +352,3 @@ def write_json_atomic(path: Path, obj: object) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,7 +20,9 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="posttrain", description="Nightly RL post-training (GRPO) of language models as a Prefect pipeline."
+    )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):

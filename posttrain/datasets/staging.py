@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from posttrain.fsutil import fsync_path as _fsync_dir
 
 DATA_FILE = "data.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -301,10 +302,3 @@ def _write_file_synced(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

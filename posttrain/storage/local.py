@@ -15,6 +15,7 @@ from pathlib import Path
 from posttrain.storage.base import PathLike, Store
 from posttrain.storage.errors import InvalidKey, NotFound, PreconditionFailed
 from posttrain.storage.keys import check_key, check_prefix
+from posttrain.fsutil import fsync_path as _fsync_file
 
 META_DIR = ".posttrain-store"  # lock file and temporary files; never listed
 
@@ -185,13 +186,6 @@ class LocalStore(Store):
                 return
             folder = folder.parent
 
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
