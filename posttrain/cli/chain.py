@@ -54,12 +54,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     enc.set_defaults(func=cmd_encode)
 
     app = csub.add_parser("apply", help="reconstruct a version of a chain into a Hugging Face checkpoint")
-    app.add_argument("chain", type=Path, help="chain folder")
+    app.add_argument("chain", help="chain folder, or a store: s3://bucket/prefix (credentials from the environment)")
     app.add_argument("--version", required=True, help="identity (or slime version) to reconstruct")
     app.add_argument("--out", type=Path, required=True, help="output checkpoint folder (must not exist)")
     app.add_argument("--from", dest="held", type=Path, help="checkpoint already holding a version on the path")
     app.add_argument("--boot", type=Path, help="slime: the engine's boot weights (version 0)")
     app.add_argument("--workers", type=int)
+    app.add_argument("--cache", type=Path, help="with a store: where downloaded snapshots are kept "
+                     "(default ~/.cache/posttrain/chains)")
+    app.add_argument("--endpoint-url", help="with an s3:// store: the S3 endpoint")
     app.set_defaults(func=cmd_apply)
 
     ver = csub.add_parser("verify", help="check every snapshot and every delta checksum of a chain")
@@ -117,15 +120,34 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from posttrain.chain.ops import reconstruct
 
-    total = _version_bytes(args.chain, args.version, args.held, args.boot)
+    chain = Path(args.chain)
+    if "://" in args.chain:
+        chain = _fetch_from_store(args)
+    total = _version_bytes(chain, args.version, args.held, args.boot)
     with progress_bar("applying", total) as advance:
-        r = reconstruct(args.chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
+        r = reconstruct(chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
                         workers=args.workers, progress=advance)
     print(
         f"version {r.version}: {r.start} + {len(r.deltas)} deltas, {human_bytes(r.bytes)} verified, "
         f"{human_bytes(r.throughput)}/s -> {r.path}"
     )
     return 0
+
+
+def _fetch_from_store(args: argparse.Namespace) -> Path:
+    """Download the snapshots the version needs into a local cache folder; return that folder."""
+    import hashlib
+
+    from posttrain.inference.snapshot_fetch import SnapshotSource
+    from posttrain.storage import open_store
+
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    cache = args.cache or Path.home() / ".cache" / "posttrain" / "chains" / hashlib.sha1(args.chain.encode()).hexdigest()[:16]
+    with open_store(args.chain, **options) as store:
+        source = SnapshotSource(store, "", cache)
+        for name in source.plan(args.version, held=None).snapshots:
+            source.fetch(name)
+    return cache
 
 
 def _version_bytes(chain: Path, version: str, held: Path | None, boot: Path | None) -> int:

@@ -156,3 +156,19 @@ def test_publishing_completes_through_a_faulty_s3_connection(run_checkpoints, tm
         stats = dict(proxy.stats)
     assert stats.get("503", 0) > 0 and stats.get("reset", 0) > 0, stats
     check_store(S3Store(_config(endpoint, bucket, prefix)), run_checkpoints, tmp_path, "faulty")
+
+
+def test_chain_apply_reads_a_store(run_checkpoints, tmp_path):
+    """``posttrain chain apply s3://…|file://…`` fetches what the version needs, then rebuilds it."""
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, PublishConfig(run="r1", work_dir=tmp_path / "work", async_publish=False))
+    for ckpt in run_checkpoints[:3]:
+        pub.submit(ckpt)
+    latest, _ = Ledger(store, "r1").latest()
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "posttrain", "chain", "apply", f"file://{tmp_path / 'store'}",
+                           "--version", latest.identity, "--out", str(out), "--cache", str(tmp_path / "cache")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 deltas" in proc.stdout
+    assert load_bytes(out) == load_bytes(run_checkpoints[2])
