@@ -34,13 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
     from posttrain.chain.errors import ChainError
+    from posttrain.storage.errors import StorageError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ChainError) as e:
+    except (UsageError, ChainError, StorageError, ValidationError) as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -3,7 +3,8 @@
 One hot-load at a time: a create while one is unfinished fails with FAILED_PRECONDITION. A
 load downloads what the identity needs, reconstructs it beside the served weights, loads it
 and swaps the model; anything that goes wrong leaves the old weights serving and the
-operation FAILED with the reason in its conditions.
+operation FAILED with the reason in its conditions. The status also reports the seconds
+of each stage (``stageSeconds``: fetch, apply, load, swap), an addition of posttrain's own.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Operation:
     conditions: list[dict] = field(default_factory=list)
     snapshot_chain: list[str] = field(default_factory=list)
     finished_at: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # fetch, apply, load, swap (posttrain's own)
 
     def to_json(self) -> dict:
         spec: dict = {"id": self.id, "deploymentId": self.deployment_id, "identity": self.identity,
@@ -98,7 +100,8 @@ class Operation:
             spec["incrementalSnapshotMetadata"] = dict(self.incremental)
         status = {"state": self.state, "conditions": [dict(c) for c in self.conditions],
                   "snapshotChain": [{"identity": s} for s in self.snapshot_chain],
-                  "createdAt": _rfc3339(self.created_at), "finishedAt": _rfc3339(self.finished_at)}
+                  "createdAt": _rfc3339(self.created_at), "finishedAt": _rfc3339(self.finished_at),
+                  "stageSeconds": dict(self.stage_seconds)}
         return {"spec": spec, "status": status}
 
 
@@ -282,15 +285,20 @@ class HotLoadService:
                 self._finish(op, before.identity, t0)
                 return
             fetched = list(plan.snapshots)
+            t = time.perf_counter()
             for identity in plan.snapshots:
                 self.source.fetch(identity)
+            t = self._stage(op, "fetch", t)
             self.source.view(plan, before.identity, before.path, view)
             from posttrain.chain.ops import reconstruct
 
             reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
+            t = self._stage(op, "apply", t)
             new = self.loader(out, before, op.identity)
+            t = self._stage(op, "load", t)
             old = self.slot.swap(new)
             self._discard(old.path)
+            self._stage(op, "swap", t)
             self._finish(op, op.identity, t0)
         except Exception as e:  # noqa: BLE001 - every failure becomes the operation's condition
             reason = type(e).__name__
@@ -306,6 +314,13 @@ class HotLoadService:
                         before.identity or "the boot weights")
         finally:
             shutil.rmtree(view, ignore_errors=True)
+
+    def _stage(self, op: Operation, name: str, since: float) -> float:
+        """Record a stage's seconds in the operation's status (``stageSeconds``); returns now."""
+        now = time.perf_counter()
+        with self._lock:
+            op.stage_seconds[name] = round(now - since, 6)
+        return now
 
     def _check_type(self, op: Operation, kind: str, base: str | None) -> None:
         if op.type == TYPE_FULL and kind != "full":
