@@ -172,3 +172,29 @@ def test_chain_apply_reads_a_store(run_checkpoints, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "2 deltas" in proc.stdout
     assert load_bytes(out) == load_bytes(run_checkpoints[2])
+
+
+def test_retention_removes_only_chains_superseded_twice(run_checkpoints, tmp_path):
+    """Opt-in retention keeps the newest chain and the one before it (a consumer may still read it)."""
+    store = LocalStore(tmp_path / "store")
+    config = PublishConfig(run="r1", work_dir=tmp_path / "work", async_publish=False, retention=True,
+                           policy=ChainPolicy(max_deltas=1))
+    pub = Publisher(store, config)
+    for ckpt in run_checkpoints:
+        pub.submit(ckpt)
+    kinds = [(p.step, p.kind) for p in pub.published]
+    assert kinds == [(1, "full"), (2, "delta"), (3, "full"), (4, "delta"), (5, "full"), (6, "delta")]
+    steps = published_steps(store, "r1")
+    assert sorted(steps) == [3, 4, 5, 6]
+    kept = {k.split("/")[0] for k in store.list() if not k.startswith(".")}
+    assert kept == {ids[0] for ids in steps.values()}
+    for step in (3, 4, 5, 6):
+        out = tmp_path / f"out-{step}"
+        reconstruct_from_store(store, steps[step][0], out, cache_dir=tmp_path / "cache")
+        assert load_bytes(out) == load_bytes(run_checkpoints[step - 1])
+    # without retention nothing is ever deleted
+    other = LocalStore(tmp_path / "store2")
+    keep_all = Publisher(other, config.model_copy(update={"retention": False, "work_dir": tmp_path / "work2"}))
+    for ckpt in run_checkpoints:
+        keep_all.submit(ckpt)
+    assert sorted(published_steps(other, "r1")) == [1, 2, 3, 4, 5, 6]
