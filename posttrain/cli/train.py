@@ -1,9 +1,12 @@
-"""``posttrain stage`` and ``posttrain watch``: put a dataset on shared storage, follow a run's checkpoints."""
+"""``posttrain stage``, ``posttrain train`` and ``posttrain watch``: put a dataset on shared storage,
+run the trainer where users train (Slurm, Kubernetes, this machine), follow a run's checkpoints."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+BACKENDS = ("slurm", "k8s", "local")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,6 +20,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stage.add_argument("--dest", required=True, help="absolute folder on shared storage")
     stage.add_argument("--json", action="store_true", help="print the whole StagedDataset as JSON")
     stage.set_defaults(func=_stage)
+
+    train = subparsers.add_parser(
+        "train",
+        help="run the trainer on Slurm, Kubernetes or this machine and stream its checkpoints",
+        description="Submit python -m posttrain.trainer with the trainer: section of SETTINGS to the backend "
+        "its cluster: section describes (see posttrain.training_job). Prints the job id, log path and each "
+        "state change on stderr, and one JSON line per newly complete checkpoint, in step order, on stdout. "
+        "Ctrl-C cancels the job. Exit status 0 when training completed, 1 when the job did not, 2 for bad settings.",
+    )
+    train.add_argument("settings", help="YAML file with cluster: and trainer: sections")
+    train.add_argument("--backend", choices=BACKENDS, help="overrides the file's backend: (default local)")
+    train.add_argument(
+        "--dry-run", action="store_true",
+        help="print the sbatch script, srun line and trainer.yaml (Slurm) or the manifests (Kubernetes); "
+        "contact nothing",
+    )  # fmt: skip
+    train.add_argument("--cursor", help="watch position file (default ~/.cache/posttrain/watch/<name>-<run id>.json)")
+    train.set_defaults(func=_train)
 
     watch = subparsers.add_parser(
         "watch",
@@ -47,6 +68,49 @@ def _stage(args: argparse.Namespace) -> int:
         note = "already staged" if staged.already_staged else "staged"
         print(f"{note}: {staged.manifest.rows} rows, sha256 {staged.manifest.digest}", file=sys.stderr)
         print(staged.manifest_path)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from posttrain.cli import UsageError
+    from posttrain.cluster import ConfigError, SubmissionError, open_backend
+    from posttrain.training_job import load_training_run, training_job_spec
+    from posttrain.training_run import TrainingFailed, submit_training
+
+    try:
+        config = load_training_run(args.settings, args.backend, args.dry_run)
+        if config.cluster.dry_run:
+            print(open_backend(config.cluster).render(training_job_spec(config)), end="")
+            return 0
+        run = submit_training(config)
+    except ConfigError as e:
+        raise UsageError(f"{args.settings}:\n{e}") from None
+    except SubmissionError as e:
+        print(f"posttrain: submission failed: {e}", file=sys.stderr)
+        return 1
+    print(f"submitted {run.job_id}; log: {run.log_path}", file=sys.stderr)
+    if run.watch_dir is not None:
+        print(f"watching {run.watch_dir} for checkpoints", file=sys.stderr)
+
+    def on_state(state) -> None:
+        print(f"job {run.job_id}: {state.value}", file=sys.stderr, flush=True)
+
+    def on_skip(skipped) -> None:
+        print(f"skipped: {skipped.path} ({skipped.reason})", file=sys.stderr)
+
+    try:
+        with run.handle:  # Ctrl-C (KeyboardInterrupt) cancels the job on the way out
+            for info in run.checkpoints(cursor_path=args.cursor, on_state=on_state, on_skip=on_skip):
+                print(info.model_dump_json(), flush=True)
+    except TrainingFailed as e:
+        print(f"job {run.job_id} ended {e.state}\nreason: {e.reason}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"cancelled job {run.job_id}", file=sys.stderr)
+        raise
+    results = run.results()
+    summary = f": global_step {results[-1].global_step}, last checkpoint {results[-1].checkpoint}" if results else ""
+    print(f"job {run.job_id} ended COMPLETED{summary}", file=sys.stderr)
     return 0
 
 

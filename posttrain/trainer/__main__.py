@@ -1,13 +1,16 @@
 """``python -m posttrain.trainer CONFIG.yaml``: run training, print the TrainingResult as JSON.
 
 Exit status: 0 when the run reached its end, 75 when SIGTERM or SIGUSR2 stopped it after a
-checkpoint (run it again to resume), 2 for a bad config or input.
+checkpoint (run it again to resume), 2 for a bad config or input. ``--result-file PATH`` appends
+each attempt's TrainingResult to PATH as one JSON line (rank 0 only), so whoever submitted the
+run can tell a resumed attempt from a fresh one.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -18,6 +21,7 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped cleanly, start again to resume
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m posttrain.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="trainer YAML file (see posttrain.trainer.TrainerConfig)")
+    parser.add_argument("--result-file", help="append this attempt's result as one JSON line to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -42,7 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain.trainer: error: {e}", file=sys.stderr)
         return 2
     print(result.model_dump_json(indent=2))
+    if args.result_file and int(os.environ.get("RANK", "0")) == 0:
+        append_result(args.result_file, result.model_dump_json())
     return EXIT_STOPPED if result.stopped_early else 0
+
+
+def append_result(path: str, line: str) -> None:
+    """Append one line and fsync it: the submitter may read the file from another node."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 if __name__ == "__main__":
