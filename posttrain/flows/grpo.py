@@ -7,6 +7,7 @@ import statistics
 import time
 
 from prefect import flow, get_run_logger, unmapped
+from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from posttrain.datasets.staging import read_staged_rows
@@ -43,6 +44,7 @@ def split(items: list, shards: int) -> list[list]:
 @flow(name="grpo", log_prints=True)
 def grpo(settings: GrpoSettings) -> GrpoReport:
     logger = get_run_logger()
+    settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     staged = stage(settings.dataset, settings.shared_dir)
     rows = read_staged_rows(staged.manifest_path)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from posttrain.flows.settings import NightlySettings, trainer_config
@@ -14,7 +15,7 @@ from posttrain.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.tasks.report import artifact_key
 from posttrain.tasks.staging import stage
 from posttrain.tasks.training import _RUNS, check_completed, job_done, submit
-from posttrain.watch import watch_checkpoints
+from posttrain.watch import CheckpointInfo, complete_checkpoints, load_cursor, watch_checkpoints
 
 FAULT_ENV = "POSTTRAIN_INJECT_FAULT"  # test hook: "after_publish" fails the run once, after publishing
 
@@ -26,6 +27,26 @@ def inject_fault(point: str, run_dir: Path) -> None:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
         raise RuntimeError(f"injected fault at {point} ({FAULT_ENV})")
+
+
+def handled_before(output_dir: Path, cursor_path: Path) -> list[CheckpointInfo]:
+    """Checkpoints an earlier attempt of this run published and hot-loaded: the complete ones at or
+    before the watch cursor (the cursor moves past a checkpoint only once it was handled)."""
+    if not cursor_path.exists():
+        return []
+    cursor = load_cursor(cursor_path, output_dir)
+    if cursor.last_step is None:
+        return []
+    return [c for c in complete_checkpoints(output_dir)
+            if c.step <= cursor.last_step and c.step not in cursor.skipped]
+
+
+def snapshot_row(step: int, snapshot) -> dict:
+    return {"step": step, "snapshot": snapshot.identity, "kind": snapshot.kind,
+            "stored MB": round(snapshot.stored_bytes / 1e6, 3),
+            "% of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
+            "uploaded MB": round(snapshot.uploaded_bytes / 1e6, 3),
+            "publish s": round(snapshot.encode_seconds + snapshot.upload_seconds, 2)}
 
 
 class NightlyReport(BaseModel):
@@ -42,6 +63,7 @@ class NightlyReport(BaseModel):
 @flow(name="nightly-post-training", log_prints=True)
 def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     logger = get_run_logger()
+    settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     staged = stage(settings.dataset, settings.shared_dir)
     trainer = trainer_config(settings.trainer, mode="grpo", model_name_or_path=settings.base_model,
@@ -51,20 +73,23 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     progress = create_progress_artifact(0.0, key=artifact_key(settings.run_name, "training-progress"),
                                         description="Checkpoints published and hot-loaded, by training step")
     rows = []
+    cursor_path = run_dir / "watch-cursor.json"
+    # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
+    # again finds it published (uploads nothing); it is not hot-loaded again.
+    for ckpt in handled_before(Path(job.output_dir), cursor_path):
+        snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
+        rows.append(snapshot_row(ckpt.step, snapshot)
+                    | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
     run = _RUNS.get(job.job_id)
     if run is not None:
-        checkpoints = run.checkpoints(cursor_path=run_dir / "watch-cursor.json", poll_interval=settings.watch_poll_s)
+        checkpoints = run.checkpoints(cursor_path=cursor_path, poll_interval=settings.watch_poll_s)
     else:  # a retry: the job was submitted by an earlier attempt
-        checkpoints = watch_checkpoints(Path(job.output_dir), cursor_path=run_dir / "watch-cursor.json",
+        checkpoints = watch_checkpoints(Path(job.output_dir), cursor_path=cursor_path,
                                         is_job_done=lambda: job_done(job, settings.cluster),
                                         poll_interval=settings.watch_poll_s)
     for ckpt in checkpoints:
         snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
-        row = {"step": ckpt.step, "snapshot": snapshot.identity, "kind": snapshot.kind,
-               "stored MB": round(snapshot.stored_bytes / 1e6, 3),
-               "% of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
-               "uploaded MB": round(snapshot.uploaded_bytes / 1e6, 3),
-               "publish s": round(snapshot.encode_seconds + snapshot.upload_seconds, 2)}
+        row = snapshot_row(ckpt.step, snapshot)
         if settings.inference:
             loaded = hot_load(snapshot, settings)
             row["hot-load s"] = round(loaded.seconds, 2)

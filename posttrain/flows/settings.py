@@ -12,7 +12,8 @@ from posttrain.chain.format import Flavor
 from posttrain.rollouts.shard import RolloutSettings
 from posttrain.trainer.config import TrainerConfig
 
-RUN_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?$")
+# At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels.
+RUN_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,34}[a-z0-9])?$")
 
 # Fields the flows fill in themselves.
 _FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts"}
@@ -50,7 +51,10 @@ class RunSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run_name: str = Field(description="Run name (lowercase letters, digits, dashes); names folders and identities.")
+    run_name: str = Field(
+        description="Run name (lowercase letters, digits, dashes); names folders and identities.",
+        json_schema_extra={"pattern": RUN_NAME_RE.pattern},  # so an enforced deployment schema checks it too
+    )
     base_model: str = Field(description="Absolute path of the model to start from (a Hugging Face folder).")
     dataset: str = Field(description="Absolute path of a JSONL or Parquet file of conversational prompts.")
     shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.")
@@ -65,7 +69,7 @@ class RunSettings(BaseModel):
     @classmethod
     def _run_name(cls, v: str) -> str:
         if not RUN_NAME_RE.match(v):
-            raise ValueError("must be 1-52 lowercase letters, digits or dashes, starting and ending alphanumeric")
+            raise ValueError("must be 1-36 lowercase letters, digits or dashes, starting and ending alphanumeric")
         return v
 
     @field_validator("base_model", "dataset", "shared_dir")
@@ -78,6 +82,12 @@ class RunSettings(BaseModel):
     @property
     def run_dir(self) -> Path:
         return Path(self.shared_dir) / "runs" / self.run_name
+
+    def for_flow_run(self, flow_run_id: str | None):
+        """These settings with the run name made unique to one flow run (and stable across its
+        retries): nightly runs of one deployment never share a run folder, a job or a chain."""
+        suffix = (flow_run_id or "").replace("-", "")[:8] or "local"
+        return self.model_copy(update={"run_name": f"{self.run_name}-{suffix}"})
 
 
 class NightlySettings(RunSettings):

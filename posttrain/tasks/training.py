@@ -33,9 +33,21 @@ class TrainingJobRef(BaseModel):
     output_dir: str
 
 
+def job_name(name: str) -> str:
+    """A job name within the backends' limit: long names keep a prefix and gain a short digest."""
+    from posttrain.cluster.spec import NAME_MAX
+
+    if len(name) <= NAME_MAX:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name[: NAME_MAX - 9].rstrip('-')}-{digest}"
+
+
 def training_run_config(cluster_ref: str, name: str, run_id: str | None, trainer: TrainerConfig) -> TrainingRunConfig:
     cluster = load_block(cluster_ref, "cluster").settings
-    return TrainingRunConfig(name=name, run_id=run_id, cluster=cluster, trainer=trainer)
+    return TrainingRunConfig(name=job_name(name), run_id=run_id, cluster=cluster, trainer=trainer)
 
 
 @task(name="submit-training", task_run_name="submit-{name}")

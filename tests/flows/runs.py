@@ -1,0 +1,107 @@
+"""Helpers of the flow tests: deployment runs through the CLI, and what the Prefect API recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from uuid import UUID
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def prefect_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, timeout: float = 240):
+    """``prefect deployment run NAME --params '{"settings": ...}' --watch``: (completed process, flow run id)."""
+    args = ["deployment", "run", name, "--params", json.dumps({"settings": settings}),
+            "--watch", "--watch-interval", "1", "--watch-timeout", str(int(timeout))]
+    if env is not None:
+        args += ["--job-variable", "env=" + json.dumps(env)]
+    proc = prefect_cli(*args, timeout=timeout + 30)
+    match = re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout)
+    return proc, (match.group(1) if match else None)
+
+
+def read_flow_run(flow_run_id: str | UUID):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(UUID(str(flow_run_id)))
+
+
+def wait_final(flow_run_id: str | UUID, timeout: float = 240):
+    """The flow run once it reaches a final state (Completed, Failed, Crashed, Cancelled)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = read_flow_run(flow_run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"flow run {flow_run_id} still {run.state_name} after {timeout} s")
+        time.sleep(0.5)
+
+
+def wait_not_final(flow_run_id: str | UUID, timeout: float = 30):
+    """Wait until a retried flow run has left its final state (it is scheduled again)."""
+    deadline = time.monotonic() + timeout
+    while read_flow_run(flow_run_id).state.is_final():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"flow run {flow_run_id} was not rescheduled in {timeout} s")
+        time.sleep(0.2)
+
+
+def task_runs(flow_run_id: str | UUID) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(str(flow_run_id))]}))
+
+
+def subflow_runs(parent_flow_run_id: str | UUID, flow_name: str) -> list:
+    """Flow runs of ``flow_name`` whose parent is the given flow run."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(
+            flow_filter=FlowFilter(name={"any_": [flow_name]}),
+            flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [UUID(str(parent_flow_run_id))]}),
+        )
+
+
+def flow_run_logs(flow_run_id: str | UUID, since: datetime | None = None) -> list[str]:
+    """Messages the flow run (and its task runs) logged, oldest first, from ``since`` on."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter
+    from prefect.client.schemas.sorting import LogSort
+
+    out = []
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            page = client.read_logs(log_filter=LogFilter(flow_run_id={"any_": [UUID(str(flow_run_id))]}),
+                                    sort=LogSort.TIMESTAMP_ASC, limit=200, offset=offset)
+            out += [log.message for log in page if since is None or log.timestamp >= since]
+            if len(page) < 200:
+                return out
+            offset += 200
+
+
+def overlapping(intervals: list[tuple[float, float]]) -> int:
+    """Most intervals open at one instant."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
