@@ -49,6 +49,17 @@ def test_nightly_deployment_run_completes_and_serves_the_last_snapshot(process_w
     assert (run_dir / "training-job.json").is_file()
     assert (run_dir / "output" / "checkpoint-2").is_dir()
 
+    # Its artifacts: watch progress (done), the link to the training logs, the snapshots table.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [run.id]}))
+    found = {(a.type, a.key): a for a in artifacts}
+    assert found[("progress", f"{run_name}-training-progress")].data == 100.0
+    assert "log:" in str(found[("markdown", f"{run_name}-training-job")].data)
+    assert "step-00000002-" in str(found[("table", f"{run_name}-nightly-snapshots")].data)
+
 
 def test_nightly_schedule_is_registered(deployed):
     """prefect.yaml's cron with its time zone. (The fixture pauses it after reading, so that a real

@@ -90,3 +90,18 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     name = f"flows-grpo-flaky-{str(flow_run_id).replace('-', '')[:8]}"  # the flow run's own run name
     rollouts = tiny_setup.shared_dir / "runs" / name / "rounds" / "0000"
     assert sorted(p.name for p in rollouts.glob("shard-*.jsonl")) == [f"shard-{s:03d}.jsonl" for s in range(3)]
+
+    # The run's artifacts: the rounds table and the reward curve image.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+    by_type = {(a.type, a.key) for a in artifacts}
+    run_name = f"flows-grpo-overlap-{str(flow_run_id).replace('-', '')[:8]}"
+    assert ("table", f"{run_name}-rounds") in by_type, by_type
+    assert ("image", f"{run_name}-reward-curve") in by_type, by_type
+    table = next(a for a in artifacts if a.key == f"{run_name}-rounds")
+    for column in ("reward mean", "reward std", "samples", "policy version", "delta % of full", "publish s",
+                   "hot-load s"):
+        assert column in str(table.data), column
