@@ -299,6 +299,7 @@ class HotLoadService:
             old = self.slot.swap(new)
             self._discard(old.path)
             self._stage(op, "swap", t)
+            self.source.forget(fetched)  # the served folder holds this version now: keep the cache empty
             self._finish(op, op.identity, t0)
         except Exception as e:  # noqa: BLE001 - every failure becomes the operation's condition
             reason = type(e).__name__

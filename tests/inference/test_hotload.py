@@ -325,3 +325,14 @@ def test_the_token_never_leaks(server, api, make_client, chain, caplog):
             e = e.__cause__ or e.__context__
     assert all(TOKEN not in t for t in texts)
     assert "**********" in repr(HotLoadConfig(deployment_id="d", token=TOKEN))
+
+
+
+def test_snapshot_cache_is_emptied_after_a_load(server, make_client, chain):
+    """Downloaded snapshots are dropped once the served folder holds the version: the cache stays bounded."""
+    client = make_client(server)
+    client.hot_load(chain.full)
+    client.hot_load(chain.d1, base_identity=chain.full)
+    cache = server.config.work_dir / "cache"
+    assert cache.is_dir()
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == []
