@@ -72,12 +72,33 @@ if port_open "$PORT"; then echo "port $PORT is taken by another process" >&2; ex
 
 # weed mini opens master, volume, filer, admin ports (+ gRPC each) besides S3;
 # their fixed defaults would collide with a second instance, so take free ones.
+# Some of its clients assume gRPC = port + 10000 whatever the flags say (the plugin
+# worker dials the admin server there), so each pair is p and p + 10000, both free.
 read -r P_S3G P_M P_MG P_V P_VG P_F P_FG P_A P_AG < <("$PYTHON" - <<'PY'
+import random
 import socket
-socks = [socket.socket() for _ in range(9)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))
+
+def free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+taken = set()
+def pair():
+    while True:
+        p = random.randint(20000, 45000)
+        if not ({p, p + 10000} & taken) and free(p) and free(p + 10000):
+            taken.update({p, p + 10000})
+            return p, p + 10000
+
+s3_grpc = pair()[0]
+out = [s3_grpc]
+for _ in range(4):
+    out += pair()
+print(*out)
 PY
 )
 echo "$PORT" > "$RUN/port"
@@ -90,7 +111,10 @@ SOCKETS=()
 # sends telemetry by default: pin everything to loopback and switch that off.
 # AWS_* variables would make it create an identity and turn auth on: drop them.
 # -logtostderr: its glog files would otherwise pile up in /tmp (weed.INFO, ...).
-setsid env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u S3_BUCKET \
+# The pid file is written by the process that becomes weed (exec keeps the pid), so it is right
+# even when setsid has to fork.
+rm -f "$PIDF"
+setsid bash -c 'echo $$ > "$0"; exec "$@"' "$PIDF" env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u S3_BUCKET \
   "$WEED" -logtostderr mini -dir="$RUN/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
     -master.telemetry=false -webdav=false -admin.ui=false -volume.preStopSeconds=0 \
     -s3.port="$PORT" -s3.port.grpc="$P_S3G" -s3.port.iceberg=0 -s3.port.lance=0 \
@@ -99,7 +123,7 @@ setsid env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u S3_BUCKET \
     -filer.port="$P_F" -filer.port.grpc="$P_FG" \
     -admin.port="$P_A" -admin.port.grpc="$P_AG" \
     "${SOCKETS[@]}" </dev/null >"$RUN/weed.log" 2>&1 &
-echo $! > "$PIDF"
+for _ in $(seq 50); do [ -s "$PIDF" ] && break; sleep 0.1; done
 
 for _ in $(seq 300); do
   port_open "$PORT" && break
