@@ -14,9 +14,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-start() {  # start SERVICE: run its start script, remember to stop it
-  bash "scripts/services/start-$1.sh"
+start() {  # start SERVICE: run its start script (a second try after a failure), remember to stop it
   started+=("$1")
+  bash "scripts/services/start-$1.sh" || { echo "retrying start-$1.sh" >&2; sleep 3; bash "scripts/services/start-$1.sh"; }
 }
 
 # Own state folder and port for the suite's Prefect server, apart from the demo's.
