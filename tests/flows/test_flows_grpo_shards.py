@@ -98,7 +98,7 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
     by_type = {(a.type, a.key) for a in artifacts}
-    run_name = f"flows-grpo-overlap-{str(flow_run_id).replace('-', '')[:8]}"
+    run_name = name
     assert ("table", f"{run_name}-rounds") in by_type, by_type
     assert ("image", f"{run_name}-reward-curve") in by_type, by_type
     table = next(a for a in artifacts if a.key == f"{run_name}-rounds")
