@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:

@@ -24,7 +24,6 @@ from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, Chun
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
-from posttrain.fsutil import fsync_path as fsync_dir
 
 ZSTD_LEVEL = 1
 DEFAULT_MAX_SHARD_BYTES = 1 << 30

@@ -17,22 +17,27 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.chain.apply import apply_chain, write_checkpoint_index
+from posttrain.chain.apply import apply_chain, changed_bytes, write_checkpoint_index
 from posttrain.chain.checkpoint import Checkpoint
 from posttrain.chain.encode import (
     DEFAULT_MAX_SHARD_BYTES,
     EncodedSnapshot,
     Progress,
-    fsync_dir,
     write_delta,
     write_full,
     write_index,
 )
 from posttrain.chain.errors import ChainError, FormatError, OutputExists, WrongBase
 from posttrain.chain.folder import ChainFolder, SnapshotRef
-from posttrain.chain.format import Flavor, check_identity, make_identity, parse_slime_version, slime_dir
-from posttrain.chain.apply import changed_bytes
+from posttrain.chain.format import (
+    Flavor,
+    check_identity,
+    make_identity,
+    parse_slime_version,
+    slime_dir,
+)
 from posttrain.chain.snapshot import held_version, open_delta, read_index
+from posttrain.fsutil import fsync_path as fsync_dir
 
 CHECKPOINT_STEP_RE = re.compile(r"checkpoint-(\d+)$")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +159,3 @@ def _small_tensors(rng: np.random.Generator, lr: float) -> dict[str, tuple[str, 
 def dir_size(path: str | Path) -> int:
     return sum(os.path.getsize(p) for p in Path(path).rglob("*") if p.is_file())
 
-
-def files_equal(a: Iterable[Path], b: Iterable[Path]) -> bool:
-    return all(Path(x).read_bytes() == Path(y).read_bytes() for x, y in zip(a, b, strict=True))

@@ -14,7 +14,7 @@ from posttrain.flows.settings import NightlySettings, trainer_config
 from posttrain.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.tasks.report import artifact_key
 from posttrain.tasks.staging import stage
-from posttrain.tasks.training import _RUNS, check_completed, job_done, submit
+from posttrain.tasks.training import check_completed, job_done, submit, submitted_run
 from posttrain.watch import CheckpointInfo, complete_checkpoints, load_cursor, watch_checkpoints
 
 FAULT_ENV = "POSTTRAIN_INJECT_FAULT"  # test hook: "after_publish" fails the run once, after publishing
@@ -80,7 +80,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
         snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
         rows.append(snapshot_row(ckpt.step, snapshot)
                     | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
-    run = _RUNS.get(job.job_id)
+    run = submitted_run(job.job_id)
     if run is not None:
         checkpoints = run.checkpoints(cursor_path=cursor_path, poll_interval=settings.watch_poll_s)
     else:  # a retry: the job was submitted by an earlier attempt

@@ -31,7 +31,7 @@ from posttrain.chain.format import Flavor
 from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter, SnapshotRecord
 from posttrain.publish.ledger import Latest, Ledger, LedgerEntry, PublishedFile
-from posttrain.publish.spool import queued, spool_checkpoint, spool_name, spooled_step
+from posttrain.publish.spool import queued, spool_checkpoint, spool_name
 from posttrain.storage import Store
 
 CRASH_ENV = "POSTTRAIN_CRASH_AT"
@@ -331,4 +331,4 @@ def published_steps(store: Store, run: str) -> dict[int, list[str]]:
     return out
 
 
-__all__ = ["PublishConfig", "PublishError", "PublishedSnapshot", "Publisher", "published_steps", "spooled_step"]
+__all__ = ["PublishConfig", "PublishError", "PublishedSnapshot", "Publisher", "published_steps"]

@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from posttrain.fsutil import fsync_path
 from posttrain.storage.base import PathLike, Store
 from posttrain.storage.errors import InvalidKey, NotFound, PreconditionFailed
 from posttrain.storage.keys import check_key, check_prefix
-from posttrain.fsutil import fsync_path as _fsync_file
 
 META_DIR = ".posttrain-store"  # lock file and temporary files; never listed
 
@@ -48,7 +48,7 @@ class LocalStore(Store):
         tmp = self._tmp_path()
         try:
             shutil.copyfile(local_path, tmp)  # a copy: the source may change later
-            _fsync_file(tmp)
+            fsync_path(tmp)
             with self._lock():
                 self._publish(tmp, dest)
         finally:
@@ -175,7 +175,7 @@ class LocalStore(Store):
             name = dest.relative_to(self.root).as_posix()
             raise InvalidKey(f"{self.uri}/{name}: a leading part of the key is an object") from None
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_path(dest.parent)
 
     def _prune(self, folder: Path) -> None:
         """Remove folders left empty by deletes, up to the root."""
@@ -185,12 +185,3 @@ class LocalStore(Store):
             except OSError:
                 return
             folder = folder.parent
-
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

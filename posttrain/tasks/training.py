@@ -22,6 +22,11 @@ from posttrain.tasks.report import log_links
 _RUNS: dict[str, TrainingRun] = {}
 
 
+def submitted_run(job_id: str) -> TrainingRun | None:
+    """The run this process submitted under ``job_id``; None when an earlier attempt submitted it."""
+    return _RUNS.get(job_id)
+
+
 class TrainingJobRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
