@@ -14,7 +14,8 @@ from posttrain.flows.settings import NightlySettings, trainer_config
 from posttrain.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.tasks.report import artifact_key
 from posttrain.tasks.staging import stage
-from posttrain.tasks.training import check_completed, job_done, submit, submitted_run
+from posttrain.tasks.training import job_ended, submit
+from posttrain.training_once import completed_result, submitted_run
 from posttrain.watch import CheckpointInfo, complete_checkpoints, load_cursor, watch_checkpoints
 
 FAULT_ENV = "POSTTRAIN_INJECT_FAULT"  # test hook: "after_publish" fails the run once, after publishing
@@ -80,12 +81,12 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
         snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
         rows.append(snapshot_row(ckpt.step, snapshot)
                     | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
-    run = submitted_run(job.job_id)
+    run = submitted_run(job)
     if run is not None:
         checkpoints = run.checkpoints(cursor_path=cursor_path, poll_interval=settings.watch_poll_s)
     else:  # a retry: the job was submitted by an earlier attempt
         checkpoints = watch_checkpoints(Path(job.output_dir), cursor_path=cursor_path,
-                                        is_job_done=lambda: job_done(job, settings.cluster),
+                                        is_job_done=lambda: job_ended(job, settings.cluster),
                                         poll_interval=settings.watch_poll_s)
     for ckpt in checkpoints:
         snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
@@ -96,7 +97,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
             row["served"] = loaded.identity
         rows.append(row)
         update_progress_artifact(progress, min(100.0, 100.0 * ckpt.step / total))
-    result = check_completed(job)
+    result = completed_result(job)
     update_progress_artifact(progress, 100.0)
     create_table_artifact(rows, key=artifact_key(settings.run_name, "nightly-snapshots"),
                           description="Checkpoints of the nightly run: snapshot, size, publish and hot-load times")
