@@ -3,7 +3,6 @@ from the deployment as concurrent subflows, then trains one step on the cluster.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 from prefect import flow, get_run_logger, unmapped
@@ -12,7 +11,8 @@ from pydantic import BaseModel, ConfigDict
 
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.flows.settings import GrpoSettings, trainer_config
-from posttrain.rollouts.shard import ShardSpec, merge_rollouts
+from posttrain.rollouts.rounds import pooled_rewards, shard_specs
+from posttrain.rollouts.shard import merge_rollouts
 from posttrain.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.tasks.report import reward_curve, round_table
 from posttrain.tasks.rollouts import rollout_shard_task
@@ -31,16 +31,6 @@ class GrpoReport(BaseModel):
     run_dir: str
 
 
-def round_prompts(rows: list[dict], round: int, per_round: int) -> list[dict]:
-    """The round's prompts: the dataset read in order, wrapping around."""
-    start = round * per_round
-    return [rows[(start + i) % len(rows)] for i in range(per_round)]
-
-
-def split(items: list, shards: int) -> list[list]:
-    return [items[i::shards] for i in range(shards) if items[i::shards]]
-
-
 @flow(name="grpo", log_prints=True)
 def grpo(settings: GrpoSettings) -> GrpoReport:
     logger = get_run_logger()
@@ -57,19 +47,13 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         loaded = hot_load(snapshot, settings) if settings.inference else None
         t_load = time.perf_counter() - t0 - t_pub
         round_dir = run_dir / "rounds" / f"{r:04d}"
-        specs = [
-            ShardSpec(round=r, shard=s, rows=chunk, policy_version=r, out_path=round_dir / f"shard-{s:03d}.jsonl")
-            for s, chunk in enumerate(split(round_prompts(rows, r, settings.prompts_per_round), settings.shards))
-        ]
+        specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
+                            policy_version=r, round_dir=round_dir)
         futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
                                          unmapped(current))
         shards = futures.result()
         rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
-        rewards = [(s.reward_mean, s.samples) for s in shards]
-        n = sum(k for _, k in rewards)
-        mean = sum(m * k for m, k in rewards) / max(n, 1)
-        spread = statistics.pstdev([s.reward_mean for s in shards]) if len(shards) > 1 else 0.0
-        std = statistics.fmean([s.reward_std for s in shards])
+        n, mean, std, spread = pooled_rewards(shards)
         trainer = trainer_config(settings.trainer, mode="step", model_name_or_path=current,
                                  output_dir=run_dir / "policy", rollouts=rollouts)
         current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"))

@@ -15,7 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class CompletionsError(Exception):
-    """A completions call failed; the message never holds the token."""
+    """A completions call failed for good (a bad request, a bad reply); the message never holds the token."""
+
+
+class CompletionsUnavailable(CompletionsError):
+    """The deployment did not answer, or kept answering 429/5xx: worth trying again later."""
 
 
 class CompletionsConfig(BaseModel):
@@ -69,11 +73,15 @@ class CompletionsClient:
                 if resp.status_code == 200:
                     return resp.json()
                 if resp.status_code != 429 and resp.status_code < 500:
-                    raise CompletionsError(f"POST {url}: HTTP {resp.status_code}: {resp.text[:300]}")
+                    raise CompletionsError(f"POST {url}: HTTP {resp.status_code}: {self._scrub(resp.text[:300])}")
                 last = f"HTTP {resp.status_code}"
             if attempt < self.config.max_attempts:
                 time.sleep(self.config.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
-        raise CompletionsError(f"POST {url}: failed after {self.config.max_attempts} attempts ({last})")
+        raise CompletionsUnavailable(f"POST {url}: failed after {self.config.max_attempts} attempts ({last})")
+
+    def _scrub(self, text: str) -> str:
+        token = self.config.token.get_secret_value() if self.config.token is not None else ""
+        return text.replace(token, "***") if token else text
 
 
 def _choice(c: dict) -> Choice:
