@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from posttrain.chain.format import Flavor
 from posttrain.rollouts.shard import RolloutSettings
@@ -14,6 +14,7 @@ from posttrain.trainer.config import TrainerConfig
 
 # At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels.
 RUN_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,34}[a-z0-9])?$")
+BLOCK_REF = r"^[a-z0-9][a-z0-9-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$"  # <block-type-slug>/<name>
 
 # Fields the flows fill in themselves.
 _FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts"}
@@ -28,6 +29,23 @@ TrainerSettings = create_model(
         if name not in _FILLED
     },
 )
+
+
+# Placeholders for what the flows fill in, to check the overrides as soon as settings are given.
+_PLACEHOLDERS = {"model_name_or_path": "/model", "output_dir": "/output", "dataset_manifest": "/manifest.json",
+                 "rollouts": "/rollouts.jsonl"}
+
+
+def check_trainer(settings: BaseModel, mode: str) -> BaseModel:
+    """Validate trainer overrides as the trainer will; errors name trainer.<field>."""
+    try:
+        trainer_config(settings, mode=mode, **_PLACEHOLDERS)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"trainer.{'.'.join(str(p) for p in err['loc']) or '(settings)'}: {err['msg']}" for err in e.errors()
+        )
+        raise ValueError(problems) from None
+    return settings
 
 
 def trainer_config(settings: BaseModel, **filled) -> TrainerConfig:
@@ -58,10 +76,13 @@ class RunSettings(BaseModel):
     base_model: str = Field(description="Absolute path of the model to start from (a Hugging Face folder).")
     dataset: str = Field(description="Absolute path of a JSONL or Parquet file of conversational prompts.")
     shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.")
-    cluster: str = Field("posttrain-local-cluster/default", description="Cluster block: <block-type-slug>/<name>.")
-    store: str = Field("posttrain-object-store/default", description="Object store block: <slug>/<name>.")
+    cluster: str = Field("posttrain-local-cluster/default", pattern=BLOCK_REF,
+                         description="Cluster block: <block-type-slug>/<name>.")
+    store: str = Field("posttrain-object-store/default", pattern=BLOCK_REF,
+                       description="Object store block: <slug>/<name>.")
     inference: str | None = Field(
-        "posttrain-inference-deployment/default", description="Inference deployment block, or null for none."
+        "posttrain-inference-deployment/default", pattern=BLOCK_REF,
+        description="Inference deployment block, or null for none.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
 
@@ -96,6 +117,11 @@ class NightlySettings(RunSettings):
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="TRL GRPO settings.")
     watch_poll_s: float = Field(2.0, gt=0, description="Seconds between looks for new checkpoints.")
 
+    @field_validator("trainer")
+    @classmethod
+    def _trainer(cls, v: BaseModel) -> BaseModel:
+        return check_trainer(v, "grpo")
+
 
 class GrpoSettings(RunSettings):
     """GRPO with rollouts sampled from the inference deployment, round by round."""
@@ -105,3 +131,15 @@ class GrpoSettings(RunSettings):
     shards: int = Field(2, ge=1, description="Rollout shards per round, sampled concurrently.")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Sampling and rewards.")
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Settings of the training step.")
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer(cls, v: BaseModel) -> BaseModel:
+        return check_trainer(v, "step")
+
+    @field_validator("inference")
+    @classmethod
+    def _inference(cls, v: str | None) -> str | None:
+        if v is None:
+            raise ValueError("GRPO samples its rollouts from an inference deployment: name its block")
+        return v

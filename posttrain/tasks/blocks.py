@@ -13,5 +13,5 @@ def load_block(ref: str, what: str) -> Block:
 
     try:
         return Block.load(ref)
-    except ValueError as e:
-        raise ValueError(f"{what}: cannot load block {ref!r} ({e})") from None
+    except Exception as e:  # noqa: BLE001 - whatever Block.load raises, name the setting
+        raise ValueError(f"{what}: cannot load block {ref!r} ({type(e).__name__}: {e})") from None

@@ -54,6 +54,7 @@ def hot_load(snapshot: PublishedSnapshot, run: RunSettings) -> HotLoadResult:
         try:
             return publisher.publish_full().identity
         finally:
+            publisher.close()
             publisher.store.close()
 
     base = snapshot.base if snapshot.kind == "delta" else None

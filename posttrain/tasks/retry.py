@@ -4,7 +4,7 @@ from __future__ import annotations
 
 TRANSIENT_NAMES = {
     "ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "TimeoutError", "EndpointConnectionError",
-    "ConnectionClosedError", "HotLoadTimeout", "_Transient", "CompletionsError",
+    "ConnectionClosedError", "HotLoadTimeout", "_Transient", "CompletionsUnavailable",
 }
 
 
