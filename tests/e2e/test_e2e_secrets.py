@@ -147,4 +147,5 @@ def test_planted_token_and_s3_secret_never_show(trained_run: TrainedRun, seaweed
     assert any("hot-load" in r.getMessage() for r in caplog.records)
     everything = "\n".join(said)
     assert TOKEN not in everything
+    assert "tok-WRONG-0000" not in everything  # the token a failing call sent is a secret too
     assert S3_SECRET not in everything
