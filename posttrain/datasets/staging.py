@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from posttrain.fsutil import fsync_path as _fsync_dir
 
 DATA_FILE = "data.jsonl"
