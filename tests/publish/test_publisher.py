@@ -120,10 +120,14 @@ def test_killed_at_random_moments(run_checkpoints, tmp_path, seaweedfs_bucket):
     prefix = f"crash/random-{time.monotonic_ns()}"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
     cmd = publish_cmd(f"s3://{bucket}/{prefix}", tmp_path / "work", run_checkpoints, endpoint)
+    queue = tmp_path / "work" / "queue"
     killed = 0
-    for delay in (0.9, 1.2, 1.5):
+    for extra in (0.0, 0.05, 0.15):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(delay)
+        # once it is publishing (a checkpoint is spooled), kill it a moment later
+        while proc.poll() is None and not (queue.is_dir() and any(queue.iterdir())):
+            time.sleep(0.005)
+        time.sleep(extra)
         proc.send_signal(signal.SIGKILL)
         killed += proc.wait() == -signal.SIGKILL
     assert killed >= 1  # at least one run was cut short (a run that had finished exits 0)
