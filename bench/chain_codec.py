@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from posttrain.chain.synthetic import dir_size  # noqa: E402
+from posttrain.testing.synthetic import dir_size  # noqa: E402
 
 
 def run(cmd: list[str]) -> tuple[float, float]:
@@ -43,7 +43,7 @@ def make_pair(data: Path, gib: float, lr: float) -> tuple[Path, Path]:
         print(f"building {d.name} ...", flush=True)
         # in a child process, so that this process stays small: a child's peak RSS counts the
         # pages it inherited at fork
-        code = ("import sys; from posttrain.chain.synthetic import adam_like_pair; "
+        code = ("import sys; from posttrain.testing.synthetic import adam_like_pair; "
                 "adam_like_pair(sys.argv[1], sys.argv[2], total_bytes=int(sys.argv[3]), lr=float(sys.argv[4]), seed=1)")
         subprocess.run([sys.executable, "-c", code, str(d / "base"), str(d / "new"), str(int(gib * (1 << 30))),
                         repr(lr)], check=True, cwd=ROOT)

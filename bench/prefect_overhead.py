@@ -134,16 +134,16 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import posttrain.flows.grpo as grpo_module
-    from posttrain.blocks import LocalCluster
+    import posttrain.pipeline.flows.grpo as grpo_module
     from posttrain.cluster import LocalConfig
     from posttrain.datasets.toy import write_toy_jsonl
-    from posttrain.deployments.embedded import DEFAULT, save_default_blocks
-    from posttrain.flows.settings import GrpoSettings
-    from posttrain.inference.serve_config import ServeConfig
-    from posttrain.inference.server import InferenceServer
     from posttrain.models.tiny import build_tiny_model
-    from posttrain.tasks import publishing, rollouts, training
+    from posttrain.pipeline.blocks import LocalCluster
+    from posttrain.pipeline.deployments.embedded import DEFAULT, save_default_blocks
+    from posttrain.pipeline.settings import GrpoSettings
+    from posttrain.pipeline.tasks import publishing, rollouts, training
+    from posttrain.serve.serve_config import ServeConfig
+    from posttrain.serve.server import InferenceServer
 
     client_log = logging.getLogger("prefect.client")
     client_log.setLevel(logging.DEBUG)

@@ -125,7 +125,7 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 # ---------------------------------------------------------------------- (a) throughput
 def upload_throughput(endpoint: str, bucket: str, data: Path, mib: int, part_mib: int, repeat: int) -> None:
     from posttrain.chain.ops import encode_snapshot
-    from posttrain.chain.synthetic import adam_like_pair
+    from posttrain.testing.synthetic import adam_like_pair
 
     say(f"(a) building a {mib} MiB synthetic bf16 checkpoint and its full snapshot ...")
     base, _ = adam_like_pair(data / "syn-base", data / "syn-new", total_bytes=mib * MiB, lr=1e-6, seed=1, warmup=1)
@@ -169,7 +169,7 @@ def build_models(out: Path, lr: float) -> tuple[Path, Path, int]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.chain.synthetic import adam_update
+    from posttrain.testing.synthetic import adam_update
 
     config = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
@@ -196,9 +196,9 @@ def hotload_latency(endpoint: str, bucket: str, data: Path, lr: float) -> None:
 
     from posttrain.chain.policy import ChainPolicy
     from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
-    from posttrain.inference.serve_config import ServeConfig
-    from posttrain.inference.server import InferenceServer
     from posttrain.publish import PublishConfig, Publisher
+    from posttrain.serve.serve_config import ServeConfig
+    from posttrain.serve.server import InferenceServer
 
     say("(b) building a Qwen2 model (bf16) and the same one Adam step later ...")
     m0, m1, params = build_models(data / "ckpts", lr)

@@ -14,6 +14,7 @@ from posttrain.chain.errors import FormatError
 IDENTITY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 SLIME_DIR_RE = re.compile(r"^weight_v(\d{6})$")
 MAX_IDENTITY_LEN = 255
+MAX_CHAIN_DELTAS = 128  # deltas a consumer resolves after a full snapshot (CoreWeave's limit)
 
 
 class Flavor(str, Enum):

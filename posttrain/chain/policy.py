@@ -9,6 +9,8 @@ from typing import Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain.chain.format import MAX_CHAIN_DELTAS
+
 
 class ChainPolicy(BaseModel):
     """Chain policy: the first snapshot is full, and so is every snapshot that a consumer would
@@ -17,8 +19,9 @@ class ChainPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_deltas: int = Field(
-        128, ge=0, le=128,
-        description="Deltas after a full snapshot before the next full one (CoreWeave resolves at most 128).",
+        MAX_CHAIN_DELTAS, ge=0, le=MAX_CHAIN_DELTAS,
+        description=f"Deltas after a full snapshot before the next full one (consumers resolve at most "
+        f"{MAX_CHAIN_DELTAS}).",
     )
     delta_budget: float = Field(
         1.0, gt=0,

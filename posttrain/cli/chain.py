@@ -138,7 +138,7 @@ def _fetch_from_store(args: argparse.Namespace) -> Path:
     """Download the snapshots the version needs into a local cache folder; return that folder."""
     import hashlib
 
-    from posttrain.inference.snapshot_fetch import SnapshotSource
+    from posttrain.chain.fetch import SnapshotSource
     from posttrain.storage import open_store
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def demo_settings(work: Path, base_model: Path, dataset: Path, *, steps: int, rounds: int):
-    from posttrain.flows.settings import GrpoSettings, NightlySettings
+    from posttrain.pipeline.settings import GrpoSettings, NightlySettings
 
     rewards = ["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"]
     nightly = NightlySettings(
@@ -47,10 +47,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from posttrain.cli.chain import make_console
     from posttrain.datasets.toy import write_toy_jsonl
-    from posttrain.deployments.embedded import save_default_blocks
-    from posttrain.inference.serve_config import ServeConfig
-    from posttrain.inference.server import InferenceServer
     from posttrain.models.tiny import build_tiny_model
+    from posttrain.pipeline.deployments.embedded import save_default_blocks
+    from posttrain.serve.serve_config import ServeConfig
+    from posttrain.serve.server import InferenceServer
 
     console = make_console()
     work = args.workdir.resolve()
@@ -71,8 +71,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                             token=token)
         nightly_settings, grpo_settings = demo_settings(work, base, dataset, steps=args.steps, rounds=args.rounds)
 
-        from posttrain.flows.grpo import grpo
-        from posttrain.flows.nightly import nightly_post_training
+        from posttrain.pipeline.flows.grpo import grpo
+        from posttrain.pipeline.flows.nightly import nightly_post_training
 
         nightly = nightly_post_training(nightly_settings)
         table = Table(title="nightly pass: every checkpoint published and hot-loaded")

@@ -15,12 +15,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from posttrain.deployments.setup import create_pools, register_blocks
+    from posttrain.pipeline.deployments.setup import create_pools, register_blocks
 
     print("block types:", ", ".join(register_blocks()))
     print("work pools:", ", ".join(create_pools(kubernetes=not args.no_kubernetes_pool)))
     if args.default_store is not None:
-        from posttrain.blocks import LocalCluster, ObjectStore
+        from posttrain.pipeline.blocks import LocalCluster, ObjectStore
 
         LocalCluster().save("default", overwrite=True)
         ObjectStore(uri=str(args.default_store.resolve())).save("default", overwrite=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from posttrain.chain.format import MAX_CHAIN_DELTAS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("publish", help="publish checkpoints, in step order, as a chain in an object store")
@@ -14,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", required=True, help="run name; part of every identity")
     p.add_argument("--work-dir", type=Path, required=True, help="local scratch: spool queue, base, staging")
     p.add_argument("--flavor", choices=["coreweave", "slime"], default="coreweave")
-    p.add_argument("--max-deltas", type=int, default=128)
+    p.add_argument("--max-deltas", type=int, default=MAX_CHAIN_DELTAS,
+                   help=f"deltas after a full snapshot before the next full one (at most {MAX_CHAIN_DELTAS})")
     p.add_argument("--delta-budget", type=float, default=1.0)
     p.add_argument("--sync", action="store_true", help="publish each checkpoint before taking the next")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 or AWS)")

@@ -49,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from posttrain.cli import UsageError
-    from posttrain.inference.serve_config import ServeConfig, read_token
+    from posttrain.serve.serve_config import ServeConfig, read_token
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.model.is_dir():
         raise UsageError(f"--model {args.model}: not a folder")
 
-    from posttrain.inference.server import InferenceServer
+    from posttrain.serve.server import InferenceServer
 
     server = InferenceServer(config)
     stop = threading.Event()

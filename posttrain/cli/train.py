@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="run the trainer on Slurm, Kubernetes or this machine and stream its checkpoints",
         description="Submit python -m posttrain.trainer with the trainer: section of SETTINGS to the backend "
-        "its cluster: section describes (see posttrain.training_job). Prints the job id, log path and each "
+        "its cluster: section describes (see posttrain.runs.job). Prints the job id, log path and each "
         "state change on stderr, and one JSON line per newly complete checkpoint, in step order, on stdout. "
         "Ctrl-C cancels the job. Exit status 0 when training completed, 1 when the job did not, 2 for bad settings.",
     )
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="print the sbatch script, srun line and trainer.yaml (Slurm) or the manifests (Kubernetes); "
         "contact nothing",
     )  # fmt: skip
-    train.add_argument("--cursor", help="watch position file (default ~/.cache/posttrain/watch/<name>-<run id>.json)")
+    train.add_argument("--cursor", help="watch position file (default ~/.cache/posttrain/runs/watch/<name>-<run id>.json)")
     train.set_defaults(func=_train)
 
     watch = subparsers.add_parser(
@@ -74,8 +74,8 @@ def _stage(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from posttrain.cli import UsageError
     from posttrain.cluster import ConfigError, SubmissionError, open_backend
-    from posttrain.training_job import load_training_run, training_job_spec
-    from posttrain.training_run import TrainingFailed, submit_training
+    from posttrain.runs.follow import TrainingFailed, submit_training
+    from posttrain.runs.job import load_training_run, training_job_spec
 
     try:
         config = load_training_run(args.settings, args.backend, args.dry_run)
@@ -118,7 +118,7 @@ def _watch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from posttrain.cli import UsageError
-    from posttrain.watch import watch_checkpoints
+    from posttrain.runs.watch import watch_checkpoints
 
     if args.poll <= 0:
         raise UsageError("--poll must be a positive number of seconds")

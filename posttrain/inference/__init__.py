@@ -1,10 +1,9 @@
-"""Inference: the hot-load client and the reference inference server (``posttrain serve``).
+"""Hot-load clients: make an inference deployment serve a snapshot the publisher wrote.
 
-- ``posttrain.inference.hotload``: ``HotLoadConfig`` and ``CoreWeaveHotLoader``, the client of the
-  CoreWeave ``v1alpha1`` hot-load contract (shared/spec/hotload-api.md);
-- ``posttrain.inference.weight_loader``: the ``HotLoader`` protocol, ``HotLoadResult`` and errors;
-- ``posttrain.inference.other_engines``: notes and stubs for SGLang and vLLM;
-- ``posttrain.inference.server``: the reference server (torch and transformers load there only).
+- ``contract``: the ``HotLoader`` protocol, ``HotLoadResult`` and the errors every client raises;
+- ``protocol``: names of the CoreWeave ``v1alpha1`` hot-load API (shared/spec/hotload-api.md),
+  shared with the reference server (``posttrain.serve``);
+- ``hotload``: ``HotLoadConfig`` and ``CoreWeaveHotLoader``, the client of that API.
 
 Importing this package loads nothing heavy.
 """

@@ -23,6 +23,16 @@ from typing import Any, Literal
 import requests
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from posttrain.chain.errors import FormatError
+from posttrain.chain.format import check_identity
+from posttrain.inference.contract import (
+    HotLoadAPIError,
+    HotLoadFailed,
+    HotLoadResult,
+    HotLoadTimeout,
+    PublishFull,
+    ReplicaStatus,
+)
 from posttrain.inference.protocol import (
     API_PREFIX,
     CACHE_PRESERVE,
@@ -31,8 +41,6 @@ from posttrain.inference.protocol import (
     COMPRESSION_ZSTD,
     GRPC_ALREADY_EXISTS,
     GRPC_FAILED_PRECONDITION,
-    IDENTITY_RE,
-    MAX_IDENTITY_LEN,
     MAX_PAGE_SIZE,
     REPLICA_ERROR,
     REPLICA_READY,
@@ -41,14 +49,6 @@ from posttrain.inference.protocol import (
     TYPE_FULL,
     TYPE_INCREMENTAL,
     unwrap_hot_load,
-)
-from posttrain.inference.weight_loader import (
-    HotLoadAPIError,
-    HotLoadFailed,
-    HotLoadResult,
-    HotLoadTimeout,
-    PublishFull,
-    ReplicaStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -560,8 +560,10 @@ def _short(e: Exception) -> str:
 
 
 def _check_identity(identity: object, what: str) -> None:
-    if not isinstance(identity, str) or not IDENTITY_RE.match(identity) or len(identity) > MAX_IDENTITY_LEN:
-        raise ValueError(f"{what} {identity!r} is not one path segment matching [A-Za-z0-9][A-Za-z0-9_.-]*")
+    try:
+        check_identity(identity, what)  # type: ignore[arg-type]
+    except FormatError as e:
+        raise ValueError(str(e)) from None
 
 
 __all__ = [

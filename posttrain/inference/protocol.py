@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
-IDENTITY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # one path segment (delta-format.md)
-MAX_IDENTITY_LEN = 255
-
 API_PREFIX = "/v1alpha1/inference/hotLoads"
 
 STATE_PENDING = "HOT_LOAD_STATE_PENDING"
@@ -33,7 +28,6 @@ REPLICA_ERROR = "ERROR"
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
-MAX_CHAIN_DELTAS = 128
 
 # gRPC status codes as grpc-gateway writes them in error bodies: {"code", "message", "details"}
 GRPC_INVALID_ARGUMENT = 3

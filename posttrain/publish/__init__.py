@@ -1,4 +1,4 @@
-"""Publishing snapshot chains to object storage: a crash-safe publisher, its ledger, fetching."""
+"""Publishing snapshot chains to object storage: a crash-safe publisher, its ledger and spool."""
 
 from posttrain.publish.publisher import PublishConfig, PublishedSnapshot, Publisher, PublishError
 

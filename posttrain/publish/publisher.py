@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +32,7 @@ from posttrain.chain.writer import ChainWriter, SnapshotRecord
 from posttrain.publish.ledger import Latest, Ledger, LedgerEntry, PublishedFile
 from posttrain.publish.spool import queued, spool_checkpoint, spool_name
 from posttrain.storage import Store
-
-CRASH_ENV = "POSTTRAIN_CRASH_AT"
+from posttrain.testing.crashpoints import crashpoint
 
 
 class PublishError(ChainError):
@@ -71,22 +69,6 @@ class PublishedSnapshot(BaseModel):
     uploaded_bytes: int = Field(description="Bytes uploaded by this call (0 when all were there already).")
     encode_seconds: float
     upload_seconds: float
-
-
-def crashpoint(name: str) -> None:
-    """Test hook: ``POSTTRAIN_CRASH_AT=name[:n]`` SIGKILLs this process the n-th time ``name`` is hit."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    target, _, count = spec.partition(":")
-    if target != name:
-        return
-    hits = _crash_hits[name] = _crash_hits.get(name, 0) + 1
-    if hits >= int(count or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-_crash_hits: dict[str, int] = {}
 
 
 class Publisher:

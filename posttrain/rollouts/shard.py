@@ -6,18 +6,17 @@ atomically, so a retried shard either finds it complete or writes it anew.
 
 from __future__ import annotations
 
-import importlib
 import json
-import math
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.rollouts.client import CompletionsClient
+from posttrain.rollouts.format import Rollout, write_rollouts
+from posttrain.rollouts.scoring import group_advantages, load_reward_funcs, score
 
 
 class RolloutSettings(BaseModel):
@@ -58,33 +57,6 @@ class ShardResult(BaseModel):
     seconds: float
 
 
-def load_reward_funcs(paths: list[str]) -> list[Callable[..., list[float | None]]]:
-    funcs = []
-    for i, path in enumerate(paths):
-        module, _, name = path.partition(":")
-        if not module or not name:
-            raise ValueError(f"reward_funcs[{i}] {path!r}: expected module:function")
-        try:
-            funcs.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward_funcs[{i}] {path!r}: cannot import ({e})") from None
-    return funcs
-
-
-def score(funcs, weights: list[float] | None, prompts: list, completions: list, completion_ids: list,
-          columns: dict[str, list]) -> list[float]:
-    weights = weights or [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions")
-    total = [0.0] * len(completions)
-    for f, w in zip(funcs, weights, strict=True):
-        values = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        for i, v in enumerate(values):
-            if v is not None and not math.isnan(v):
-                total[i] += w * float(v)
-    return total
-
-
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversational prompt through the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -94,9 +66,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def run_shard(spec: ShardSpec, settings: RolloutSettings, client: CompletionsClient, tokenizer) -> ShardResult:
-    from posttrain.trainer.grpo_math import group_advantages
-    from posttrain.trainer.rollouts import Rollout
-    from posttrain.trainer.sampling import write_rollouts
 
     t0 = time.perf_counter()
     funcs = load_reward_funcs(settings.reward_funcs)
@@ -119,9 +88,7 @@ def run_shard(spec: ShardSpec, settings: RolloutSettings, client: CompletionsCli
                                     reward=r, group_id=group, policy_version=spec.policy_version,
                                     sample_id=f"{group}-c{j}", metadata={"text": texts[j]}))
     advantages = group_advantages([r.reward for r in rollouts], [r.group_id for r in rollouts]) if rollouts else []
-    tmp = spec.out_path.with_name(f".{spec.out_path.name}.tmp")
-    write_rollouts(tmp, rollouts)
-    tmp.replace(spec.out_path)
+    write_rollouts(spec.out_path, rollouts)
     rewards = [r.reward for r in rollouts]
     return ShardResult(
         round=spec.round, shard=spec.shard, path=spec.out_path, samples=len(rollouts),

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from posttrain.datasets.staging import StagingError
+    from posttrain.rollouts.format import RolloutError
     from posttrain.trainer.config import ConfigError, load_trainer_config
-    from posttrain.trainer.rollouts import RolloutError
     from posttrain.trainer.run import run_training
 
     try:

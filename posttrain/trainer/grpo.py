@@ -6,38 +6,29 @@ Imports transformers; ``run_training`` imports this module only when a grpo run 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from posttrain.datasets.staging import read_staged_rows
+from posttrain.rollouts.scoring import load_reward_funcs
+from posttrain.trainer.checkpoints import (
+    IncompleteCheckpoint,
+    checkpoint_dirs,
+    inspect_checkpoint,
+    last_complete_checkpoint,
+)
 from posttrain.trainer.config import ConfigError, TrainerConfig, TrainingResult
-from posttrain.watch import IncompleteCheckpoint, checkpoint_dirs, inspect_checkpoint, last_complete_checkpoint
 
 log = logging.getLogger(__name__)
 
 # Written before trainer_state.json (which the watch requires), so a complete checkpoint has them;
 # checking anyway keeps a weights-only folder from being picked for a resume.
 RESUME_FILES = ("optimizer.pt", "scheduler.pt")
-
-
-def resolve_reward_func(import_path: str) -> Callable:
-    """The function named by ``'module:function'``."""
-    module_name, _, attr = import_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"reward_funcs: cannot import {module_name!r} for {import_path!r}: {e}") from None
-    func = getattr(module, attr, None)
-    if not callable(func):
-        raise ConfigError(f"reward_funcs: {module_name!r} has no function {attr!r} ({import_path!r})")
-    return func
 
 
 def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResult:
@@ -63,7 +54,10 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         _discard_incomplete_checkpoints(output_dir, after_step=resume.step if resume else -1)
 
     rows = read_staged_rows(config.dataset_manifest)
-    reward_funcs = [resolve_reward_func(p) for p in config.reward_funcs]
+    try:
+        reward_funcs = load_reward_funcs(config.reward_funcs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
     tokenizer.padding_side = "left"  # GRPOTrainer generates from left-padded prompts
     if tokenizer.pad_token is None:

@@ -1,4 +1,4 @@
-"""GRPO math for rollouts sampled elsewhere: group advantages, token log-probs and the clipped loss.
+"""GRPO math for rollouts sampled elsewhere: token log-probs and the clipped loss.
 
 Small pure functions over lists and tensors, so they can be tested without a model.
 Conventions: tensors are [batch, positions]; ``mask`` is 1 on completion tokens, 0 elsewhere.
@@ -6,55 +6,12 @@ Conventions: tensors are [batch, positions]; ``mask`` is 1 on completion tokens,
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
-from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import torch
 
 ScaleRewards = Literal["group", "batch", "none"]
 LossType = Literal["dapo", "grpo", "dr_grpo"]
-
-
-def group_advantages(
-    rewards: Sequence[float],
-    group_ids: Sequence[Hashable],
-    scale: ScaleRewards = "group",
-    eps: float = 1e-4,
-) -> list[float]:
-    """A_i = (r_i - mean of i's group) / (std + eps), as TRL computes it.
-
-    ``scale``: "group" divides by the group's sample std, "batch" by the std of all rewards,
-    "none" not at all (Dr. GRPO). A group of one gets advantage 0.
-    """
-    if len(rewards) != len(group_ids):
-        raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
-    members: dict[Hashable, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
-    means, stds = {}, {}
-    for g, idx in members.items():
-        values = [rewards[i] for i in idx]
-        means[g] = sum(values) / len(values)
-        stds[g] = _sample_std(values)
-    batch_std = _sample_std(list(rewards))
-    advantages = []
-    for r, g in zip(rewards, group_ids, strict=True):
-        a = r - means[g]
-        if scale == "group":
-            a /= stds[g] + eps
-        elif scale == "batch":
-            a /= batch_std + eps
-        advantages.append(a)
-    return advantages
-
-
-def _sample_std(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def token_logps(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -24,16 +24,16 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain.rollouts.format import Rollout, RolloutError, load_rollouts
+from posttrain.rollouts.scoring import group_advantages
+from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.grpo_math import (
     aggregate_loss,
-    group_advantages,
     per_token_policy_loss,
     token_logps,
     truncated_importance_weights,
 )
-from posttrain.trainer.rollouts import Rollout, RolloutError, load_rollouts
-from posttrain.watch import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
 
 log = logging.getLogger(__name__)
 

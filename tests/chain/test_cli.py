@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.chain.conftest import load_bytes
+from tests.support.tensors import load_bytes
 
 
 def posttrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import torch
 from posttrain.chain import ChecksumMismatch, FormatError, LayoutMismatch, OutputExists, WrongBase
 from posttrain.chain.ops import encode_snapshot, reconstruct, verify_chain
 from posttrain.chain.safetensors_io import read_header
-from tests.chain.conftest import save_torch_checkpoint
+from tests.support.tensors import save_torch_checkpoint
 
 
 def tree(path: Path) -> dict[str, bytes]:

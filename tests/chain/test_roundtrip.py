@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from posttrain.chain.ops import encode_snapshot, inspect_chain, reconstruct, verify_chain
-from tests.chain.conftest import TORCH_DTYPES, load_bytes, perturb, random_tensor, save_torch_checkpoint
+from tests.support.tensors import TORCH_DTYPES, load_bytes, perturb, random_tensor, save_torch_checkpoint
 
 
 def test_full_then_delta_reconstructs_bit_exact(model_pair, tmp_path):

@@ -10,7 +10,7 @@ from safetensors.numpy import save as np_save
 from safetensors.torch import save as torch_save
 
 from posttrain.chain.safetensors_io import TensorSpec, layout_file, read_header
-from tests.chain.conftest import TORCH_DTYPES, random_tensor, tensor_bytes
+from tests.support.tensors import TORCH_DTYPES, random_tensor, tensor_bytes
 
 ALL_DTYPES = {**TORCH_DTYPES, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16, "U32": torch.uint32,
               "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from posttrain.chain.ops import reconstruct, verify_chain
 from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter
-from tests.chain.conftest import load_bytes, perturb, random_tensor, save_torch_checkpoint
+from tests.support.tensors import load_bytes, perturb, random_tensor, save_torch_checkpoint
 
 
 @pytest.fixture

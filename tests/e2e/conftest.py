@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.storage.conftest import raw_client, seaweedfs_bucket, seaweedfs_endpoint  # noqa: F401
+from tests.support.s3 import raw_client  # noqa: F401 - re-exported for the e2e tests
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

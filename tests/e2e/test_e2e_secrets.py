@@ -65,8 +65,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 def test_planted_token_and_s3_secret_never_show(trained_run: TrainedRun, seaweedfs_bucket, tmp_path, caplog):
+    from posttrain.inference.contract import HotLoadAPIError, HotLoadFailed
     from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
-    from posttrain.inference.weight_loader import HotLoadAPIError, HotLoadFailed
 
     caplog.set_level(logging.DEBUG, logger="posttrain")
     endpoint, bucket = seaweedfs_bucket

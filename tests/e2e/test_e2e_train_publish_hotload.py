@@ -17,8 +17,8 @@ from posttrain.chain.policy import ChainPolicy
 from posttrain.publish import PublishConfig, Publisher
 from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
 from posttrain.storage import S3Store, S3StoreConfig
-from tests.chain.conftest import load_bytes, tensor_bytes
 from tests.e2e.conftest import DEPLOYMENT, MODEL_NAME, TOKEN, TrainedRun, raw_client, s3_options
+from tests.support.tensors import load_bytes, tensor_bytes
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -28,7 +28,7 @@ def local_greedy(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[i
     """What the checkpoint itself answers, sampled in this process (no server, no store)."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.inference.sampler import sample
+    from posttrain.serve.sampler import sample
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     eos = model.generation_config.eos_token_id
@@ -59,8 +59,8 @@ def test_training_checkpoints_are_published_hot_loaded_and_served(trained_run: T
     from pydantic import SecretStr
 
     from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
-    from posttrain.inference.serve_config import ServeConfig
-    from posttrain.inference.server import InferenceServer
+    from posttrain.serve.serve_config import ServeConfig
+    from posttrain.serve.server import InferenceServer
 
     endpoint, bucket = seaweedfs_bucket
     prefix = f"e2e/{uuid.uuid4().hex[:8]}"  # the deployment's hot-load prefix: the publisher writes exactly there

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from posttrain.inference.contract import HotLoadAPIError, HotLoader, HotLoadFailed, HotLoadTimeout
 from posttrain.inference.protocol import (
     API_PREFIX,
     GRPC_FAILED_PRECONDITION,
@@ -18,8 +19,7 @@ from posttrain.inference.protocol import (
     TYPE_FULL,
     TYPE_INCREMENTAL,
 )
-from posttrain.inference.weight_loader import HotLoadAPIError, HotLoader, HotLoadFailed, HotLoadTimeout
-from tests.inference.conftest import DEPLOYMENT, PREFIX, PROMPT, TOKEN, Api
+from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN, Api
 
 
 def _wait_state(api: Api, op_id: str, timeout: float = 20) -> dict:

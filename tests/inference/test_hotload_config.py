@@ -6,10 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig, operation_id_for
-from posttrain.inference.other_engines import SGLangDiskLoader, VLLMWeightTransferLoader
-from posttrain.inference.serve_config import ServeConfig, read_token
-from posttrain.inference.weight_loader import HotLoader
-from tests.inference.conftest import TOKEN
+from posttrain.serve.serve_config import ServeConfig, read_token
+from tests.support.serving import TOKEN
 
 
 def test_operation_ids_are_deterministic_uuids():
@@ -50,15 +48,6 @@ def test_identities_are_checked_before_any_call():
         client.hot_load("../etc")
     with pytest.raises(ValueError, match="base_identity"):
         client.hot_load("step-1", base_identity="a/b")
-
-
-def test_engines_behind_the_seam(tmp_path):
-    client = CoreWeaveHotLoader(HotLoadConfig(deployment_id="d", token=TOKEN))
-    for loader in (client, SGLangDiskLoader("http://127.0.0.1:1", tmp_path),
-                   VLLMWeightTransferLoader("http://127.0.0.1:1", tmp_path)):
-        assert isinstance(loader, HotLoader)
-    with pytest.raises(NotImplementedError):
-        SGLangDiskLoader("http://127.0.0.1:1", tmp_path).hot_load("step-1")
 
 
 def test_read_token(tmp_path, monkeypatch):

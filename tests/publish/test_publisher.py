@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from posttrain.chain.fetch import reconstruct_from_store
 from posttrain.chain.policy import ChainPolicy
 from posttrain.publish import PublishConfig, Publisher
-from posttrain.publish.fetch import reconstruct_from_store
 from posttrain.publish.ledger import Ledger
 from posttrain.publish.publisher import published_steps
 from posttrain.storage import LocalStore, S3Store
-from tests.chain.conftest import load_bytes, perturb, random_tensor, save_torch_checkpoint
+from tests.support.tensors import load_bytes, perturb, random_tensor, save_torch_checkpoint
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def _config(endpoint: str, bucket: str, prefix: str):
 def test_publishing_completes_through_a_faulty_s3_connection(run_checkpoints, tmp_path, seaweedfs_bucket):
     """A proxy fails a fifth of the S3 requests (503 SlowDown and connection resets)."""
     from posttrain.storage import S3StoreConfig
-    from posttrain.storage.faultproxy import FaultProxy
+    from posttrain.testing.faultproxy import FaultProxy
 
     endpoint, bucket = seaweedfs_bucket
     prefix = f"faults/{time.monotonic_ns()}"

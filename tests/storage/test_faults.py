@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.storage import PreconditionFailed, S3Store, S3StoreConfig, StorageError
-from posttrain.storage.faultproxy import FaultProxy
+from posttrain.testing.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from collections.abc import Callable
 
 from posttrain.storage import NotFound, PreconditionFailed, S3Store, Store
 

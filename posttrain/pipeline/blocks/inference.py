@@ -1,0 +1,48 @@
+"""Block for an inference deployment that hot-loads snapshots and serves rollouts."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr
+
+
+class InferenceDeployment(Block):
+    """A deployment speaking CoreWeave's hot-load v1alpha1 contract and /v1/completions."""
+
+    _block_type_name: ClassVar[str] = "posttrain Inference Deployment"
+    _block_type_slug: ClassVar[str] = "posttrain-inference-deployment"
+    _description: ClassVar[str] = "Where posttrain hot-loads published snapshots and samples rollouts."
+    _code_example: ClassVar[str] = """
+```python
+from posttrain.pipeline.blocks import InferenceDeployment
+
+InferenceDeployment(gateway_url="https://my-gateway", deployment_id="dep-1", model="my-model",
+                    token="...").save("prod")
+```
+"""
+
+    api_url: str = Field("https://api.coreweave.com", description="Hot-load control plane URL.")
+    gateway_url: str = Field(description="Data-plane URL serving /v1/completions.")
+    deployment_id: str = Field(description="Id of the deployment to hot-load.")
+    model: str = Field(description="Model name the deployment serves.")
+    token: SecretStr = Field(description="Inference Admin token (CW_API_TOKEN); never logged.")
+    timeout_s: float = Field(1800.0, gt=0, description="Seconds one hot-load may take until replicas converge.")
+    poll_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of a hot-load.")
+    fallback_to_full: bool = Field(True, description="Publish and load a full snapshot when a delta fails to load.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Seconds one completions request may take.")
+
+    def hot_loader(self, publish_full=None):
+        from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
+
+        config = HotLoadConfig(api_url=self.api_url, deployment_id=self.deployment_id, token=self.token,
+                               timeout=self.timeout_s, poll_interval=self.poll_interval_s,
+                               fallback_to_full=self.fallback_to_full)
+        return CoreWeaveHotLoader(config, publish_full=publish_full)
+
+    def completions(self):
+        from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
+
+        return CompletionsClient(CompletionsConfig(gateway_url=self.gateway_url, model=self.model, token=self.token,
+                                                   timeout_s=self.request_timeout_s))

@@ -1,0 +1,77 @@
+"""The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
+from the deployment as concurrent subflows, then trains one step on the cluster."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger, unmapped
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict
+
+from posttrain.datasets.staging import read_staged_rows
+from posttrain.pipeline.settings import GrpoSettings, trainer_config
+from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
+from posttrain.pipeline.tasks.report import reward_curve, round_table
+from posttrain.pipeline.tasks.rollouts import rollout_shard_task
+from posttrain.pipeline.tasks.staging import stage
+from posttrain.pipeline.tasks.training import train_step
+from posttrain.rollouts.rounds import pooled_rewards, shard_specs
+from posttrain.rollouts.shard import merge_rollouts
+
+
+class GrpoReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str
+    rounds: list[dict]
+    final_checkpoint: str
+    final_snapshot: str
+    reward_curve: str
+    run_dir: str
+
+
+@flow(name="grpo", log_prints=True)
+def grpo(settings: GrpoSettings) -> GrpoReport:
+    logger = get_run_logger()
+    settings = settings.for_flow_run(flow_run.id)
+    run_dir = settings.run_dir
+    staged = stage(settings.dataset, settings.shared_dir)
+    rows = read_staged_rows(staged.manifest_path)
+    current = settings.base_model
+    table: list[dict] = []
+    for r in range(settings.rounds):
+        t0 = time.perf_counter()
+        snapshot = publish_checkpoint(current, r, settings)
+        t_pub = time.perf_counter() - t0
+        loaded = hot_load(snapshot, settings) if settings.inference else None
+        t_load = time.perf_counter() - t0 - t_pub
+        round_dir = run_dir / "rounds" / f"{r:04d}"
+        specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
+                            policy_version=r, round_dir=round_dir)
+        futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
+                                         unmapped(current))
+        shards = futures.result()
+        rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
+        n, mean, std, spread = pooled_rewards(shards)
+        trainer = trainer_config(settings.trainer, mode="step", model_name_or_path=current,
+                                 output_dir=run_dir / "policy", rollouts=rollouts)
+        current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"))
+        table.append({
+            "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
+            "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
+            "kind": snapshot.kind, "delta % of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
+            "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
+            "round s": round(time.perf_counter() - t0, 2),
+        })
+        round_table(settings.run_name, table)
+        logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
+    final = publish_checkpoint(current, settings.rounds, settings)
+    if settings.inference:
+        hot_load(final, settings)
+    svg = reward_curve(settings.run_name, [row["reward mean"] for row in table], [row["reward std"] for row in table])
+    curve = run_dir / "reward-curve.svg"
+    curve.parent.mkdir(parents=True, exist_ok=True)
+    curve.write_text(svg)
+    return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
+                      final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir))

@@ -1,0 +1,109 @@
+"""The nightly post-training flow: stage → train → watch checkpoints → publish and hot-load each."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict
+
+from posttrain.pipeline.settings import NightlySettings, trainer_config
+from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
+from posttrain.pipeline.tasks.report import artifact_key
+from posttrain.pipeline.tasks.staging import stage
+from posttrain.pipeline.tasks.training import job_ended, submit
+from posttrain.runs.once import completed_result, submitted_run
+from posttrain.runs.watch import load_cursor, watch_checkpoints
+from posttrain.trainer.checkpoints import CheckpointInfo, complete_checkpoints
+
+FAULT_ENV = "POSTTRAIN_INJECT_FAULT"  # test hook: "after_publish" fails the run once, after publishing
+
+
+def inject_fault(point: str, run_dir: Path) -> None:
+    """Fail once at ``point`` when the test hook asks for it (a marker file makes it once)."""
+    marker = run_dir / f".fault-{point}"
+    if os.environ.get(FAULT_ENV) == point and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        raise RuntimeError(f"injected fault at {point} ({FAULT_ENV})")
+
+
+def handled_before(output_dir: Path, cursor_path: Path) -> list[CheckpointInfo]:
+    """Checkpoints an earlier attempt of this run published and hot-loaded: the complete ones at or
+    before the watch cursor (the cursor moves past a checkpoint only once it was handled)."""
+    if not cursor_path.exists():
+        return []
+    cursor = load_cursor(cursor_path, output_dir)
+    if cursor.last_step is None:
+        return []
+    return [c for c in complete_checkpoints(output_dir)
+            if c.step <= cursor.last_step and c.step not in cursor.skipped]
+
+
+def snapshot_row(step: int, snapshot) -> dict:
+    return {"step": step, "snapshot": snapshot.identity, "kind": snapshot.kind,
+            "stored MB": round(snapshot.stored_bytes / 1e6, 3),
+            "% of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
+            "uploaded MB": round(snapshot.uploaded_bytes / 1e6, 3),
+            "publish s": round(snapshot.encode_seconds + snapshot.upload_seconds, 2)}
+
+
+class NightlyReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str
+    job_id: str
+    checkpoints: int
+    snapshots: list[dict]
+    final_step: int | None
+    run_dir: str
+
+
+@flow(name="nightly-post-training", log_prints=True)
+def nightly_post_training(settings: NightlySettings) -> NightlyReport:
+    logger = get_run_logger()
+    settings = settings.for_flow_run(flow_run.id)
+    run_dir = settings.run_dir
+    staged = stage(settings.dataset, settings.shared_dir)
+    trainer = trainer_config(settings.trainer, mode="grpo", model_name_or_path=settings.base_model,
+                             output_dir=run_dir / "output", dataset_manifest=staged.manifest_path)
+    job = submit(settings.cluster, settings.run_name, trainer, str(run_dir / "training-job.json"))
+    total = trainer.max_steps or 1
+    progress = create_progress_artifact(0.0, key=artifact_key(settings.run_name, "training-progress"),
+                                        description="Checkpoints published and hot-loaded, by training step")
+    rows = []
+    cursor_path = run_dir / "watch-cursor.json"
+    # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
+    # again finds it published (uploads nothing); it is not hot-loaded again.
+    for ckpt in handled_before(Path(job.output_dir), cursor_path):
+        snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
+        rows.append(snapshot_row(ckpt.step, snapshot)
+                    | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
+    run = submitted_run(job)
+    if run is not None:
+        checkpoints = run.checkpoints(cursor_path=cursor_path, poll_interval=settings.watch_poll_s)
+    else:  # a retry: the job was submitted by an earlier attempt
+        checkpoints = watch_checkpoints(Path(job.output_dir), cursor_path=cursor_path,
+                                        is_job_done=lambda: job_ended(job, settings.cluster),
+                                        poll_interval=settings.watch_poll_s)
+    for ckpt in checkpoints:
+        snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
+        row = snapshot_row(ckpt.step, snapshot)
+        if settings.inference:
+            loaded = hot_load(snapshot, settings)
+            row["hot-load s"] = round(loaded.seconds, 2)
+            row["served"] = loaded.identity
+        rows.append(row)
+        update_progress_artifact(progress, min(100.0, 100.0 * ckpt.step / total))
+    result = completed_result(job)
+    update_progress_artifact(progress, 100.0)
+    create_table_artifact(rows, key=artifact_key(settings.run_name, "nightly-snapshots"),
+                          description="Checkpoints of the nightly run: snapshot, size, publish and hot-load times")
+    inject_fault("after_publish", run_dir)
+    logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
+                result.global_step)
+    return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,
+                         final_step=result.global_step, run_dir=str(run_dir))

@@ -1,0 +1,381 @@
+"""The hot-load operations of the reference server (shared/spec/hotload-api.md), without HTTP.
+
+One hot-load at a time: a create while one is unfinished fails with FAILED_PRECONDITION. A
+load downloads what the identity needs, reconstructs it beside the served weights, loads it
+and swaps the model; anything that goes wrong leaves the old weights serving and the
+operation FAILED with the reason in its conditions. The status also reports the seconds
+of each stage (``stageSeconds``: fetch, apply, load, swap), an addition of posttrain's own.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from posttrain.chain.errors import FormatError
+from posttrain.chain.fetch import SnapshotError, SnapshotSource
+from posttrain.chain.format import check_identity
+from posttrain.inference.protocol import (
+    CACHE_POLICIES,
+    CACHE_PRESERVE,
+    CHECKSUM_ADLER32,
+    COMPRESSION_ZSTD,
+    DEFAULT_PAGE_SIZE,
+    GRPC_ALREADY_EXISTS,
+    GRPC_FAILED_PRECONDITION,
+    GRPC_INVALID_ARGUMENT,
+    GRPC_NOT_FOUND,
+    GRPC_UNIMPLEMENTED,
+    MAX_PAGE_SIZE,
+    REPLICA_ERROR,
+    REPLICA_LOADING,
+    REPLICA_READY,
+    SNAPSHOT_TYPES,
+    STATE_COMPLETED,
+    STATE_FAILED,
+    STATE_PENDING,
+    STATE_RUNNING,
+    TERMINAL_STATES,
+    TYPE_FULL,
+    TYPE_INCREMENTAL,
+)
+from posttrain.serve.faults import FaultBox
+from posttrain.serve.model_slot import ModelSlot, ServedModel
+
+log = logging.getLogger(__name__)
+
+CREATE_FIELDS = {"deploymentId", "identity", "type", "promptCachePolicy", "hotLoadId", "incrementalSnapshotMetadata"}
+INCREMENTAL_FIELDS = {"previousSnapshotIdentity", "compressionFormat", "checksumFormat"}
+
+
+class ServiceError(Exception):
+    """A call the service refuses: a gRPC status code and a message."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class InjectedFault(Exception):
+    """A failure armed through the server's test hooks."""
+
+
+def _rfc3339(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Operation:
+    id: str
+    seq: int
+    deployment_id: str
+    identity: str
+    type: str
+    prompt_cache_policy: str
+    incremental: dict | None
+    created_at: float
+    state: str = STATE_PENDING
+    conditions: list[dict] = field(default_factory=list)
+    snapshot_chain: list[str] = field(default_factory=list)
+    finished_at: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # fetch, apply, load, swap (posttrain's own)
+
+    def to_json(self) -> dict:
+        spec: dict = {"id": self.id, "deploymentId": self.deployment_id, "identity": self.identity,
+                      "type": self.type, "promptCachePolicy": self.prompt_cache_policy}
+        if self.incremental is not None:
+            spec["incrementalSnapshotMetadata"] = dict(self.incremental)
+        status = {"state": self.state, "conditions": [dict(c) for c in self.conditions],
+                  "snapshotChain": [{"identity": s} for s in self.snapshot_chain],
+                  "createdAt": _rfc3339(self.created_at), "finishedAt": _rfc3339(self.finished_at),
+                  "stageSeconds": dict(self.stage_seconds)}
+        return {"spec": spec, "status": status}
+
+
+@dataclass
+class Replica:
+    name: str
+    zone: str
+    state: str
+    identity: str | None
+    error_reason: str = ""
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "zone": self.zone, "state": self.state,
+                "currentSnapshotIdentity": self.identity or "", "errorReason": self.error_reason}
+
+
+Loader = Callable[[Path, ServedModel, str], ServedModel]
+"""Loads a reconstructed checkpoint folder like the served model, for the given identity."""
+
+
+class HotLoadService:
+    def __init__(
+        self,
+        *,
+        deployment_id: str,
+        source: SnapshotSource,
+        slot: ModelSlot,
+        loader: Loader,
+        work_dir: Path,
+        replicas: int = 1,
+        faults: FaultBox | None = None,
+        boot_dir: Path | None = None,
+    ):
+        self.deployment_id = deployment_id
+        self.source = source
+        self.slot = slot
+        self.loader = loader
+        self.work_dir = work_dir
+        self.faults = faults or FaultBox()
+        self.boot_dir = boot_dir
+        self.creates: Counter[str] = Counter()  # accepted creates per identity (test hooks report it)
+        self._lock = threading.Lock()
+        self._ops: dict[str, Operation] = {}
+        self._seq = 0
+        self._threads: list[threading.Thread] = []
+        identity = slot.current().identity
+        self._replicas = [Replica(f"replica-{i:04d}", "local-a", REPLICA_READY, identity) for i in range(replicas)]
+        (work_dir / "views").mkdir(parents=True, exist_ok=True)
+        (work_dir / "models").mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ API
+    def create(self, body: dict) -> Operation:
+        unknown = sorted(set(body) - CREATE_FIELDS)
+        if unknown:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"unknown field {unknown[0]!r} in the create request")
+        deployment = body.get("deploymentId")
+        if not deployment:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, "deploymentId is required")
+        if deployment != self.deployment_id:
+            raise ServiceError(GRPC_NOT_FOUND, f"deployment {deployment!r} not found")
+        identity = _identity(body.get("identity"), "identity")
+        kind = body.get("type")
+        if kind not in SNAPSHOT_TYPES:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"type must be one of {', '.join(SNAPSHOT_TYPES)}, got {kind!r}")
+        policy = body.get("promptCachePolicy") or CACHE_PRESERVE
+        if policy not in CACHE_POLICIES:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"promptCachePolicy must be one of {', '.join(CACHE_POLICIES)}")
+        incremental = self._incremental(kind, body.get("incrementalSnapshotMetadata"))
+        op_id = body.get("hotLoadId") or str(uuid.uuid4())
+        _identity(op_id, "hotLoadId")
+        with self._lock:
+            if op_id in self._ops:
+                raise ServiceError(GRPC_ALREADY_EXISTS, f"hot-load {op_id} already exists")
+            busy = [o for o in self._ops.values() if o.deployment_id == deployment and o.state not in TERMINAL_STATES]
+            if busy:
+                raise ServiceError(GRPC_FAILED_PRECONDITION,
+                                   f"deployment {deployment} has an unfinished hot-load {busy[0].id} "
+                                   f"({busy[0].state}); one hot-load at a time")
+            self._seq += 1
+            op = Operation(op_id, self._seq, deployment, identity, kind, policy, incremental, time.time())
+            self._ops[op_id] = op
+            self.creates[identity] += 1
+            thread = threading.Thread(target=self._run, args=(op,), name=f"hotload-{op_id[:8]}", daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        log.info("hot-load %s created: %s %s", op_id, kind, identity)
+        thread.start()
+        return op
+
+    def get(self, op_id: str) -> Operation:
+        with self._lock:
+            op = self._ops.get(op_id)
+        if op is None:
+            raise ServiceError(GRPC_NOT_FOUND, f"hot-load {op_id} not found")
+        return op
+
+    def list(self, parent: str | None, page_size: int | None, page_token: str | None) -> tuple[list[Operation], str]:
+        with self._lock:
+            ops = sorted(self._ops.values(), key=lambda o: -o.seq)  # newest first
+        if parent:
+            ops = [o for o in ops if o.deployment_id == parent]
+        return _page(ops, ("list", parent or ""), page_size, page_token)
+
+    def replicas(self, op_id: str, page_size: int | None, page_token: str | None) -> tuple[list[Replica], str]:
+        self.get(op_id)
+        with self._lock:
+            reps = sorted((Replica(**vars(r)) for r in self._replicas), key=lambda r: (r.zone, r.name))
+        return _page(reps, ("replicas", op_id), page_size, page_token)
+
+    def cancel(self, op_id: str) -> None:
+        self.get(op_id)
+        raise ServiceError(GRPC_UNIMPLEMENTED, "CancelHotLoad is not implemented; wait for the hot-load to reach a "
+                                               "terminal state, then create a new one")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the running hot-loads (at shutdown, and in tests)."""
+        for t in list(self._threads):
+            t.join(timeout)
+
+    # ------------------------------------------------------------------ the load
+    def _incremental(self, kind: str, meta: object) -> dict | None:
+        if kind == TYPE_FULL:
+            if meta not in (None, {}):
+                raise ServiceError(GRPC_INVALID_ARGUMENT,
+                                   "incrementalSnapshotMetadata is for SNAPSHOT_TYPE_INCREMENTAL")
+            return None
+        if not isinstance(meta, dict):
+            raise ServiceError(GRPC_INVALID_ARGUMENT, "SNAPSHOT_TYPE_INCREMENTAL needs incrementalSnapshotMetadata")
+        unknown = sorted(set(meta) - INCREMENTAL_FIELDS)
+        if unknown:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"unknown field incrementalSnapshotMetadata.{unknown[0]}")
+        _identity(meta.get("previousSnapshotIdentity"), "incrementalSnapshotMetadata.previousSnapshotIdentity")
+        if meta.get("compressionFormat", COMPRESSION_ZSTD) != COMPRESSION_ZSTD:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"compressionFormat must be {COMPRESSION_ZSTD}")
+        if meta.get("checksumFormat", CHECKSUM_ADLER32) != CHECKSUM_ADLER32:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"checksumFormat must be {CHECKSUM_ADLER32}")
+        return dict(meta)
+
+    def _set(self, op: Operation, state: str) -> None:
+        with self._lock:
+            op.state = state
+            if state in TERMINAL_STATES:
+                op.finished_at = time.time()
+
+    def _set_replicas(self, state: str, identity: str | None, error: str = "", only_first: bool = False) -> None:
+        with self._lock:
+            for i, r in enumerate(self._replicas):
+                if only_first and i > 0:
+                    r.state, r.identity, r.error_reason = REPLICA_READY, identity, ""
+                else:
+                    r.state, r.identity, r.error_reason = state, identity, error
+
+    def _run(self, op: Operation) -> None:
+        t0 = time.perf_counter()
+        before = self.slot.current()
+        self._set(op, STATE_RUNNING)
+        self._set_replicas(REPLICA_LOADING, before.identity)
+        delay = self.faults.take("delay_hotload")
+        if delay is not None:
+            time.sleep(delay.seconds)
+        view = self.work_dir / "views" / op.id
+        out = self.work_dir / "models" / f"{op.identity}-{op.id[:12]}"
+        fetched: list[str] = []
+        try:
+            fault = self.faults.take("fail_hotload", snapshot_type=op.type)
+            if fault is not None:
+                raise InjectedFault(fault.reason)
+            broken = self.faults.take("replica_error")
+            if broken is not None:
+                with self._lock:
+                    op.conditions.append(_condition("ReplicaError", broken.reason))
+                self._set(op, STATE_COMPLETED)
+                self._set_replicas(REPLICA_ERROR, before.identity, broken.reason, only_first=True)
+                log.warning("hot-load %s: replica-0 in ERROR (injected)", op.id)
+                return
+            if op.identity != before.identity:
+                self._check_type(op, *self.source.describe(op.identity))
+            plan = self.source.plan(op.identity, before.identity)
+            with self._lock:
+                op.snapshot_chain = list(plan.snapshots)
+            if not plan.snapshots:  # it serves this identity already
+                self._finish(op, before.identity, t0)
+                return
+            fetched = list(plan.snapshots)
+            t = time.perf_counter()
+            for identity in plan.snapshots:
+                self.source.fetch(identity)
+            t = self._stage(op, "fetch", t)
+            self.source.view(plan, before.identity, before.path, view)
+            from posttrain.chain.ops import reconstruct
+
+            reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
+            t = self._stage(op, "apply", t)
+            new = self.loader(out, before, op.identity)
+            t = self._stage(op, "load", t)
+            old = self.slot.swap(new)
+            self._discard(old.path)
+            self._stage(op, "swap", t)
+            self.source.forget(fetched)  # the served folder holds this version now: keep the cache empty
+            self._finish(op, op.identity, t0)
+        except Exception as e:  # noqa: BLE001 - every failure becomes the operation's condition
+            reason = type(e).__name__
+            with self._lock:
+                op.conditions.append(_condition(reason, str(e)))
+            self._set(op, STATE_FAILED)
+            self._set_replicas(REPLICA_READY, before.identity)
+            if out.exists():
+                shutil.rmtree(out, ignore_errors=True)
+            if not isinstance(e, InjectedFault):
+                self.source.forget(fetched)
+            log.warning("hot-load %s of %s FAILED (%s: %s); still serving %s", op.id, op.identity, reason, e,
+                        before.identity or "the boot weights")
+        finally:
+            shutil.rmtree(view, ignore_errors=True)
+
+    def _stage(self, op: Operation, name: str, since: float) -> float:
+        """Record a stage's seconds in the operation's status (``stageSeconds``); returns now."""
+        now = time.perf_counter()
+        with self._lock:
+            op.stage_seconds[name] = round(now - since, 6)
+        return now
+
+    def _check_type(self, op: Operation, kind: str, base: str | None) -> None:
+        if op.type == TYPE_FULL and kind != "full":
+            raise SnapshotError(f"{op.identity} is a delta snapshot (against {base}); load it as "
+                                f"{TYPE_INCREMENTAL}")
+        if op.type == TYPE_INCREMENTAL:
+            if kind != "delta":
+                raise SnapshotError(f"{op.identity} is a full snapshot; load it as {TYPE_FULL}")
+            previous = (op.incremental or {}).get("previousSnapshotIdentity")
+            if base != previous:
+                raise SnapshotError(f"{op.identity} is a delta against {base}, not against {previous} "
+                                    "(previousSnapshotIdentity)")
+
+    def _finish(self, op: Operation, identity: str | None, t0: float) -> None:
+        self._set_replicas(REPLICA_READY, identity)
+        self._set(op, STATE_COMPLETED)
+        log.info("hot-load %s COMPLETED: serving %s (%.2fs)", op.id, identity, time.perf_counter() - t0)
+
+    def _discard(self, path: Path) -> None:
+        """Remove a reconstruction that is no longer served (never the boot weights)."""
+        models = (self.work_dir / "models").resolve()
+        if path.resolve().parent == models and path.resolve() != (self.boot_dir or Path("/")).resolve():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _condition(reason: str, message: str) -> dict:
+    return {"type": "Failed" if reason != "ReplicaError" else "ReplicaError", "status": "True",
+            "reason": reason, "message": message, "lastTransitionTime": _rfc3339(time.time())}
+
+
+def _identity(value: object, what: str) -> str:
+    try:
+        return check_identity(value, what)  # type: ignore[arg-type]
+    except FormatError as e:
+        raise ServiceError(GRPC_INVALID_ARGUMENT, str(e)) from None
+
+
+def _page(items: list, scope: tuple[str, str], page_size: int | None, token: str | None) -> tuple[list, str]:
+    """One page and the token of the next ('' at the end); a token only works in its own scope."""
+    if page_size is not None and page_size < 0:
+        raise ServiceError(GRPC_INVALID_ARGUMENT, "maxPageSize must not be negative")
+    size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+    offset = 0
+    if token:
+        try:
+            data = json.loads(base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)))
+            offset = int(data["o"])
+            ok = [data["k"], data["s"]] == list(scope) and offset >= 0
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, "invalid pageToken (keep the same filter across a walk)")
+    page = items[offset:offset + size]
+    if offset + size >= len(items):
+        return page, ""
+    raw = json.dumps({"k": scope[0], "s": scope[1], "o": offset + size}).encode()
+    return page, base64.urlsafe_b64encode(raw).decode().rstrip("=")

@@ -1,0 +1,57 @@
+"""Configuration of ``posttrain serve``, the reference inference server, and its token."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from posttrain.serve.faults import Fault
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: Path = Field(description="Boot weights: a Hugging Face causal LM folder (with its tokenizer).")
+    served_model_name: str | None = Field(
+        None, description="Name requests must give as `model` (default: the folder name)."
+    )
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
+    deployment_id: str = Field(min_length=1, description="Id of the deployment this server is.")
+    store: str = Field(description="Where the snapshot chain lives: a folder, file:// or s3:// URI.")
+    prefix: str = Field("", description="Prefix inside the store; a snapshot is <prefix>/<identity>/<file>.")
+    store_options: dict[str, Any] = Field(default_factory=dict, description="S3StoreConfig fields for s3:// stores.")
+    token: SecretStr = Field(description="Bearer token every call must carry; never logged.")
+    work_dir: Path | None = Field(
+        None, description="Snapshot cache and reconstructed weights (default: a temporary folder, removed on exit)."
+    )
+    replicas: int = Field(
+        1, ge=1, le=10_000, description="Replicas reported by the hot-load API (one model serves all)."
+    )
+    device: str = Field("auto", description="torch device: auto (cuda when available), cpu, cuda, cuda:1 ...")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_n: int = Field(64, ge=1, description="Largest n a request may ask for.")
+    max_batch_rows: int = Field(64, ge=1, description="Sequences sampled together in one batch.")
+    test_hooks: bool = Field(False, description="Serve /_test/faults and /_test/stats (fault injection). Tests only.")
+    faults: list[Fault] = Field(default_factory=list, description="Faults armed at start (implies test hooks).")
+
+
+def read_token(*, env: str | None = None, file: str | os.PathLike[str] | None = None) -> SecretStr:
+    """The token from a file (first line) or an environment variable; the error never shows it."""
+    if file is not None:
+        try:
+            text = Path(file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the token file {file}: {e.strerror}") from None
+        if not text:
+            raise ValueError(f"the token file {file} is empty")
+        return SecretStr(text.splitlines()[0].strip())
+    if env is not None:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ValueError(f"environment variable {env} (the API token) is not set")
+        return SecretStr(value)
+    raise ValueError("give the API token through an environment variable or a file")

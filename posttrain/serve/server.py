@@ -1,0 +1,356 @@
+"""``posttrain serve``: the reference inference server on the standard library's HTTP server.
+
+Routes (every one needs ``Authorization: Bearer <token>``):
+
+- ``POST /v1/completions``: token-id prompts, ``n`` choices sampled in one batch, per-token log-probs;
+- ``GET /v1/models``, ``GET /health``;
+- the hot-load API of shared/spec/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
+- with test hooks only: ``POST|DELETE /_test/faults`` and ``GET /_test/stats``.
+
+The standard library server (not an ASGI one) is used because a test fault must be able to
+close a connection without answering, which is what a lost reply looks like to a client.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import shutil
+import socket
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import ValidationError
+
+from posttrain.chain.fetch import SnapshotSource
+from posttrain.inference.protocol import (
+    API_PREFIX,
+    GRPC_HTTP_STATUS,
+    GRPC_INTERNAL,
+    GRPC_INVALID_ARGUMENT,
+    GRPC_NOT_FOUND,
+    GRPC_UNAUTHENTICATED,
+    GRPC_UNAVAILABLE,
+)
+from posttrain.serve.completions import RequestError, build_response, parse_request
+from posttrain.serve.faults import FAULT_LIST, FaultBox
+from posttrain.serve.hotload_service import HotLoadService, ServiceError
+from posttrain.serve.model_slot import ModelSlot, ServedModel, load_served, resolve_device
+from posttrain.serve.sampler import sample
+from posttrain.serve.serve_config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+GRPC_NAMES = {3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS", 8: "RESOURCE_EXHAUSTED",
+              9: "FAILED_PRECONDITION", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
+              16: "UNAUTHENTICATED"}
+
+
+class _DropReply(Exception):
+    """Close the connection without answering (test fault)."""
+
+
+class InferenceServer:
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_name = config.served_model_name or config.model_dir.resolve().name
+        self.tokenizer = _load_tokenizer(config.model_dir)
+        boot = load_served(config.model_dir, self.device)
+        self.slot = ModelSlot(boot)
+        self._own_work_dir = config.work_dir is None
+        self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        from posttrain.storage import open_store
+
+        self.store = open_store(config.store, **config.store_options)
+        self.test_hooks = config.test_hooks or bool(config.faults)
+        self.faults = FaultBox(config.faults)
+        self.service = HotLoadService(
+            deployment_id=config.deployment_id,
+            source=SnapshotSource(self.store, config.prefix, self.work_dir / "cache"),
+            slot=self.slot,
+            loader=lambda path, like, identity: load_served(path, self.device, like=like, identity=identity),
+            work_dir=self.work_dir,
+            replicas=config.replicas,
+            faults=self.faults,
+            boot_dir=config.model_dir,
+        )
+        cfg = boot.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.eos_ids, self.pad_id = _special_ids(boot, self.tokenizer)
+        self.generate_lock = threading.Lock()
+        self._token = config.token.get_secret_value().encode()
+        self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self))
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> InferenceServer:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="posttrain-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.05)
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.service.wait(timeout=30)
+        self.store.close()
+        if self._own_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def authorized(self, header: str | None) -> bool:
+        return header is not None and hmac.compare_digest(header.encode(), b"Bearer " + self._token)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - text is informative only
+            return ""
+
+    def complete(self, body: object) -> dict:
+        params = parse_request(body, model_name=self.model_name, vocab_size=self.vocab_size,
+                               max_positions=self.max_positions, max_tokens_limit=self.config.max_tokens_limit,
+                               max_n=self.config.max_n)
+        with self.generate_lock:
+            served = self.slot.current()  # kept to the end: a swap meanwhile does not touch this request
+            choices = sample(served.model, params.prompts, n=params.n, max_tokens=params.max_tokens,
+                             temperature=params.temperature, top_p=params.top_p, eos_token_ids=self.eos_ids,
+                             pad_token_id=self.pad_id, seed=params.seed,
+                             max_batch_rows=self.config.max_batch_rows)
+        return build_response(params, choices, model_name=self.model_name, snapshot_identity=served.identity,
+                              decode=self.decode)
+
+
+def _load_tokenizer(path: Path):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - a server of token ids can work without one
+        log.warning("no tokenizer in %s (%s); completions will carry no text", path, type(e).__name__)
+        return None
+
+
+def _special_ids(served: ServedModel, tokenizer) -> tuple[set[int], int]:
+    eos: set[int] = set()
+    for source in (getattr(served.model, "generation_config", None), served.model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, (list, tuple)):
+            eos.update(v for v in value if isinstance(v, int))
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if pad is None:
+        pad = getattr(served.model.config, "pad_token_id", None)
+    if pad is None:
+        pad = min(eos) if eos else 0
+    return eos, int(pad)
+
+
+def _handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        pass
+
+    Handler.app = app
+    return Handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    app: InferenceServer
+    server_version = "posttrain-serve"
+    timeout = 120  # seconds a connection may sit idle mid-request
+
+    ROUTES = [
+        ("GET", re.compile(r"^/health$"), "health"),
+        ("GET", re.compile(r"^/v1/models$"), "models"),
+        ("POST", re.compile(r"^/v1/completions$"), "completions"),
+        ("POST", re.compile(rf"^{API_PREFIX}$"), "create"),
+        ("GET", re.compile(rf"^{API_PREFIX}$"), "list"),
+        ("GET", re.compile(rf"^{API_PREFIX}/(?P<id>[^/:]+)$"), "get"),
+        ("GET", re.compile(rf"^{API_PREFIX}/(?P<id>[^/:]+)/replicas$"), "replicas"),
+        ("POST", re.compile(rf"^{API_PREFIX}/(?P<id>[^/:]+):cancel$"), "cancel"),
+        ("POST", re.compile(r"^/_test/faults$"), "add_faults"),
+        ("DELETE", re.compile(r"^/_test/faults$"), "clear_faults"),
+        ("GET", re.compile(r"^/_test/stats$"), "stats"),
+    ]
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._handle("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._handle("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._handle("DELETE")
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        # the request line only (method, path, status): headers, and so the token, are never logged
+        log.info("%s %s", self.address_string(), format % args)
+
+    # ------------------------------------------------------------------ dispatch
+    def _handle(self, method: str) -> None:
+        parts = urlsplit(self.path)
+        path, self.query = parts.path, parse_qs(parts.query)
+        openai = path.startswith("/v1/") or path == "/health"
+        try:
+            if not self.app.authorized(self.headers.get("Authorization")):
+                raise _unauthenticated(openai)
+            fault = self.app.faults.take("http_error", method=method, path=path)
+            if fault is not None:
+                extra = {"Retry-After": f"{fault.retry_after:g}"} if fault.retry_after is not None else {}
+                self._send(fault.status, {"code": GRPC_UNAVAILABLE, "message": "injected fault", "details": []},
+                           extra)
+                return
+            for m, pattern, name in self.ROUTES:
+                match = pattern.match(path)
+                if match and m == method:
+                    if name in ("add_faults", "clear_faults", "stats") and not self.app.test_hooks:
+                        break
+                    getattr(self, f"_{name}")(**match.groupdict())
+                    return
+            if openai:
+                raise RequestError(404, f"no route {method} {path}", kind="NotFoundError")
+            raise ServiceError(GRPC_NOT_FOUND, f"no route {method} {path}")
+        except _DropReply:
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        except RequestError as e:
+            self._send(e.status, e.to_json())
+        except ServiceError as e:
+            self._send(GRPC_HTTP_STATUS.get(e.code, 500),
+                       {"code": e.code, "message": e.message, "status": GRPC_NAMES.get(e.code, ""), "details": []})
+        except Exception:  # noqa: BLE001 - a bug answers 500 and is logged, the server keeps serving
+            log.exception("%s %s failed", method, path)
+            if openai:
+                self._send(500, RequestError(500, "internal error", kind="InternalServerError").to_json())
+            else:
+                self._send(500, {"code": GRPC_INTERNAL, "message": "internal error", "details": []})
+
+    def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> object:
+        length = self.headers.get("Content-Length")
+        if not length:
+            return {}
+        try:
+            size = int(length)
+        except ValueError:
+            raise RequestError(400, "bad Content-Length") from None
+        if size > MAX_BODY_BYTES:
+            raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        raw = self.rfile.read(size)
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            raise RequestError(400, "the request body is not valid JSON") from None
+
+    def _qint(self, name: str) -> int | None:
+        values = self.query.get(name)
+        if not values:
+            return None
+        try:
+            return int(values[0])
+        except ValueError:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"{name} must be an integer") from None
+
+    def _qstr(self, name: str) -> str | None:
+        values = self.query.get(name)
+        return values[0] if values else None
+
+    # ------------------------------------------------------------------ routes
+    def _health(self) -> None:
+        served = self.app.slot.current()
+        self._send(200, {"status": "ok", "deploymentId": self.app.config.deployment_id,
+                         "snapshotIdentity": served.identity})
+
+    def _models(self) -> None:
+        served = self.app.slot.current()
+        self._send(200, {"object": "list", "data": [{
+            "id": self.app.model_name, "object": "model", "owned_by": "posttrain",
+            "max_model_len": self.app.max_positions, "snapshot_identity": served.identity,
+        }]})
+
+    def _completions(self) -> None:
+        self._send(200, self.app.complete(self._body()))
+
+    def _create(self) -> None:
+        body = self._body()
+        if not isinstance(body, dict):
+            raise ServiceError(GRPC_INVALID_ARGUMENT, "the request body must be a JSON object")
+        op = self.app.service.create(body)
+        if self.app.faults.take("drop_create_reply") is not None:
+            log.warning("hot-load %s: dropping the create reply (injected fault)", op.id)
+            raise _DropReply
+        self._send(200, {"hotLoad": op.to_json()})
+
+    def _get(self, id: str) -> None:  # noqa: A002 - the route's parameter
+        self._send(200, {"hotLoad": self.app.service.get(id).to_json()})
+
+    def _list(self) -> None:
+        ops, token = self.app.service.list(self._qstr("parentDeploymentId"), self._qint("maxPageSize"),
+                                           self._qstr("pageToken"))
+        self._send(200, {"hotLoads": [o.to_json() for o in ops], "nextPageToken": token})
+
+    def _replicas(self, id: str) -> None:  # noqa: A002
+        reps, token = self.app.service.replicas(id, self._qint("maxPageSize"), self._qstr("pageToken"))
+        self._send(200, {"replicas": [r.to_json() for r in reps], "nextPageToken": token})
+
+    def _cancel(self, id: str) -> None:  # noqa: A002
+        self.app.service.cancel(id)
+
+    def _add_faults(self) -> None:
+        body = self._body()
+        try:
+            faults = FAULT_LIST.validate_python(body.get("faults", []) if isinstance(body, dict) else body)
+        except ValidationError as e:
+            raise ServiceError(GRPC_INVALID_ARGUMENT, f"bad faults: {e.errors(include_url=False)}") from None
+        self.app.faults.add(faults)
+        self._send(200, {"pending": self.app.faults.pending()})
+
+    def _clear_faults(self) -> None:
+        self.app.faults.clear()
+        self._send(200, {"pending": []})
+
+    def _stats(self) -> None:
+        served = self.app.slot.current()
+        self._send(200, {"creates": dict(self.app.service.creates), "pending": self.app.faults.pending(),
+                         "snapshotIdentity": served.identity})
+
+
+def _unauthenticated(openai: bool) -> Exception:
+    message = "missing or wrong bearer token (Authorization: Bearer <token>)"
+    if openai:
+        return RequestError(401, message, kind="AuthenticationError")
+    return ServiceError(GRPC_UNAUTHENTICATED, message)

@@ -1,0 +1,107 @@
+"""GRPO rollout shards (pattern B: a task around the ``rollout-shard`` subflow, mapped): the shards
+of a round run concurrently, and a shard that fails with a transient error is retried alone.
+
+The grpo flow runs in this process against the Prefect server; what ran when is read back from
+the server (subflow and task runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
+from tests.pipeline.runs import overlapping, subflow_runs, task_runs
+
+pytestmark = pytest.mark.slow
+
+
+def grpo_settings(setup, run_name: str, *, shards: int, reward_funcs: list[str]):
+    from posttrain.pipeline.settings import GrpoSettings
+
+    return GrpoSettings(
+        run_name=run_name, base_model=str(setup.base_model), dataset=str(setup.dataset),
+        shared_dir=str(setup.shared_dir), rounds=1, prompts_per_round=shards, shards=shards,
+        rollout={"num_generations": 2, "max_completion_length": 4, "reward_funcs": reward_funcs},
+        trainer={"learning_rate": 1e-3, "use_cpu": True},
+    )
+
+
+def run_grpo(settings):
+    from posttrain.pipeline.flows.grpo import grpo
+
+    state = grpo(settings, return_state=True)
+    return state, state.state_details.flow_run_id
+
+
+@pytest.mark.timeout(240)
+def test_rollout_shards_of_a_round_run_concurrently(tiny_setup, monkeypatch):
+    # Every shard's body lasts >= 3 s (one prompt, a reward function that sleeps), so shards run one
+    # after the other would take >= 12 s and never overlap.
+    monkeypatch.setenv(SLOW_SECONDS_ENV, "3")
+    state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-overlap", shards=4,
+                                                reward_funcs=["tests.pipeline.flaky:slow_reward"]))
+    assert state.is_completed(), state.message
+    report = state.result()
+    assert report.rounds[0]["samples"] > 0
+
+    subflows = subflow_runs(flow_run_id, "rollout-shard")
+    assert sorted(r.name for r in subflows) == [f"round-0-shard-{s}" for s in range(4)]
+    assert all(r.state.is_completed() for r in subflows)
+    intervals = [(r.start_time.timestamp(), r.end_time.timestamp()) for r in subflows]
+    spans = {r.name: f"{r.start_time:%H:%M:%S.%f} .. {r.end_time:%H:%M:%S.%f}" for r in subflows}
+    # On a SQLite server, creating subflow runs at once collides on the database lock: the API
+    # answers 503 and the client backs off 2, 4, 8 s, so starts spread out; bodies still overlap.
+    assert overlapping(intervals) >= 2, f"no two rollout-shard subflow runs overlap: {spans}"
+
+    # All four shard tasks were started together, before the first shard finished.
+    shard_tasks = [t for t in task_runs(flow_run_id) if t.name.startswith("shard-")]
+    assert len(shard_tasks) == 4
+    first_end = min(e for _, e in intervals)
+    assert max(t.start_time.timestamp() for t in shard_tasks) < first_end
+
+
+@pytest.mark.timeout(240)
+def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
+    # The first call of flaky_reward, in whichever shard makes it, raises ConnectionError (transient).
+    marker = tmp_path / "flaky-fired"
+    monkeypatch.setenv(FLAKY_MARKER_ENV, str(marker))
+    state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-flaky", shards=3,
+                                                reward_funcs=["tests.pipeline.flaky:flaky_reward"]))
+    assert state.is_completed(), state.message
+    assert marker.exists()
+
+    shard_tasks = {t.name: t for t in task_runs(flow_run_id) if t.name.startswith("shard-")}
+    assert sorted(shard_tasks) == ["shard-0", "shard-1", "shard-2"]
+    assert all(t.state.is_completed() for t in shard_tasks.values())
+    counts = {name: t.run_count for name, t in shard_tasks.items()}
+    assert sorted(counts.values()) == [1, 1, 2], counts
+    (flaky,) = [int(name.split("-")[1]) for name, n in counts.items() if n == 2]
+
+    # Two subflow runs of the flaky shard (failed, then completed); one of each other shard.
+    subflows = subflow_runs(flow_run_id, "rollout-shard")
+    by_shard: dict[int, list] = {}
+    for r in subflows:
+        by_shard.setdefault(int(r.name.rsplit("-", 1)[1]), []).append(r)
+    assert {s: len(runs) for s, runs in by_shard.items()} == {s: 2 if s == flaky else 1 for s in range(3)}
+    failed = [r for r in by_shard[flaky] if r.state.is_failed()]
+    assert len(failed) == 1 and "ConnectionError" in (failed[0].state.message or "")
+    assert all(r.state.is_completed() for s, runs in by_shard.items() for r in runs if r not in failed)
+
+    # The round still merged all three shards.
+    name = f"flows-grpo-flaky-{str(flow_run_id).replace('-', '')[:8]}"  # the flow run's own run name
+    rollouts = tiny_setup.shared_dir / "runs" / name / "rounds" / "0000"
+    assert sorted(p.name for p in rollouts.glob("shard-*.jsonl")) == [f"shard-{s:03d}.jsonl" for s in range(3)]
+
+    # The run's artifacts: the rounds table and the reward curve image.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+    by_type = {(a.type, a.key) for a in artifacts}
+    run_name = name
+    assert ("table", f"{run_name}-rounds") in by_type, by_type
+    assert ("image", f"{run_name}-reward-curve") in by_type, by_type
+    table = next(a for a in artifacts if a.key == f"{run_name}-rounds")
+    for column in ("reward mean", "reward std", "samples", "policy version", "delta % of full", "publish s",
+                   "hot-load s"):
+        assert column in str(table.data), column

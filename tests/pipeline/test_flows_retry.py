@@ -1,0 +1,110 @@
+"""A nightly deployment run that fails after training and publishing, retried the way the UI does
+(``prefect flow-run retry``): it completes without training again or uploading again."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from posttrain.publish.ledger import Ledger
+from posttrain.storage import open_store
+from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.runs import (
+    flow_run_logs,
+    prefect_cli,
+    run_deployment,
+    task_runs,
+    wait_final,
+    wait_not_final,
+)
+
+pytestmark = pytest.mark.slow
+
+RUN = "flows-retry"
+FAULT_ENV = {"POSTTRAIN_INJECT_FAULT": "after_publish", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def instance(flow_run_id: str) -> str:
+    """The run name a flow run works under: the settings' name plus its flow run's id."""
+    return f"{RUN}-{flow_run_id.replace('-', '')[:8]}"
+
+
+def _ledger(setup, name: str) -> list:
+    store = open_store(str(setup.store))
+    try:
+        return Ledger(store, name).entries()
+    finally:
+        store.close()
+
+
+def _store_files(setup, entries) -> dict[str, int]:
+    """mtime_ns of every file of the run's snapshots and ledger entries."""
+    files = [setup.store / e.identity / name for e in entries for name in e.files]
+    files += sorted((setup.store / ".posttrain" / "runs" / entries[0].run / "ledger").glob("*.json"))
+    return {str(p): p.stat().st_mtime_ns for p in files}
+
+
+@pytest.mark.timeout(360)
+def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploading(process_worker, tiny_setup):
+    # 1. The run fails once, after training, publishing and hot-loading every checkpoint.
+    proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings(RUN), env=FAULT_ENV)
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    name = instance(flow_run_id)
+    run_dir = tiny_setup.shared_dir / "runs" / name
+    first = wait_final(flow_run_id)
+    assert first.state.is_failed(), f"{first.state_name}: {first.state.message}\n{process_worker.tail()}"
+    assert "injected fault at after_publish" in (first.state.message or "")
+    assert (run_dir / ".fault-after_publish").exists()
+    job = json.loads((run_dir / "training-job.json").read_text())
+    entries = _ledger(tiny_setup, name)
+    assert [e.step for e in entries] == [1, 2]  # published before the fault
+    assert tiny_setup.served_identity() == entries[-1].identity
+    files = _store_files(tiny_setup, entries)
+    published_at = {e.identity: e.published_at for e in entries}
+
+    # 2. Retry it as the UI does: same flow run, scheduled again, picked up by the worker.
+    retried_at = datetime.now(UTC)
+    retry = prefect_cli("flow-run", "retry", flow_run_id)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    assert "scheduled for retry" in " ".join(retry.stdout.split())
+    wait_not_final(flow_run_id)
+    second = wait_final(flow_run_id)
+    assert second.state.is_completed(), f"{second.state_name}: {second.state.message}\n{process_worker.tail()}"
+    assert second.id == first.id and second.run_count == 2
+
+    # 3. Training was not submitted again: same job, one job folder, one trainer result.
+    assert json.loads((run_dir / "training-job.json").read_text()) == job
+    job_folders = sorted(p.name for p in tiny_setup.jobs_dir.iterdir() if p.name.startswith(f"{name}-"))
+    assert len(job_folders) == 1, job_folders
+    results = sorted((run_dir / "output" / ".posttrain").glob("*.results.jsonl"))
+    assert len(results) == 1, results
+    lines = [json.loads(line) for line in results[0].read_text().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0]["completed"] and lines[0]["global_step"] == 2
+
+    # 4. Nothing was uploaded again: same snapshots, same files untouched, same ledger entries.
+    after = _ledger(tiny_setup, name)
+    assert [e.identity for e in after] == [e.identity for e in entries]
+    assert {e.identity: e.published_at for e in after} == published_at
+    assert _store_files(tiny_setup, after) == files
+    assert tiny_setup.served_identity() == entries[-1].identity
+
+    # 5. The retried attempt ran the publish tasks again, and they uploaded nothing.
+    deadline = time.monotonic() + 20  # the flow run's process sends its last logs as it exits
+    logs = flow_run_logs(flow_run_id, since=retried_at)
+    while not any("checkpoints published" in m for m in logs):
+        assert time.monotonic() < deadline, logs
+        time.sleep(0.5)
+        logs = flow_run_logs(flow_run_id, since=retried_at)
+    assert any(f"training job {job['job_id']} was submitted before" in m for m in logs), logs
+    published = [m for m in logs if m.startswith("published ")]
+    assert len(published) == 2, logs
+    assert all(re.search(r"uploaded 0$", m) for m in published), published
+    assert any(f"nightly run {name}: 2 checkpoints published, final step 2" in m for m in logs), logs
+    names = [t.name for t in task_runs(flow_run_id)]
+    assert names.count(f"submit-{name}") == 2  # one per attempt; the second found the marker
+    assert names.count("publish-step-2") == 2
+    assert sum(n.startswith("hot-load-") for n in names) == 2  # only the first attempt hot-loaded

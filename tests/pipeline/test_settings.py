@@ -1,0 +1,82 @@
+"""Flow settings fail early, naming the field; round bookkeeping; which completion errors are transient."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from posttrain.pipeline.settings import GrpoSettings, NightlySettings
+from posttrain.pipeline.tasks.retry import is_transient
+from posttrain.rollouts.client import CompletionsError, CompletionsUnavailable
+from posttrain.rollouts.rounds import pooled_rewards, round_prompts, shard_specs
+from posttrain.rollouts.shard import ShardResult
+
+BASE = dict(run_name="nightly", base_model="/m", dataset="/d.jsonl", shared_dir="/shared")
+TRAINER = {"reward_funcs": ["posttrain.rewards:format_reward"], "max_steps": 2}
+
+
+@pytest.mark.parametrize("changes,field,message", [
+    ({"trainer": {**TRAINER, "max_steps": 0}}, "trainer", "trainer.max_steps"),
+    ({"trainer": {**TRAINER, "learning_rate": -1}}, "trainer", "trainer.learning_rate"),
+    ({"trainer": {"max_steps": 2}}, "trainer", "reward_funcs"),
+    ({"trainer": {**TRAINER, "lr": 1}}, "trainer.lr", "Extra inputs"),
+    ({"trainer": TRAINER, "cluster": "foo"}, "cluster", "pattern"),
+    ({"trainer": TRAINER, "run_name": "Nightly_Run"}, "run_name", "lowercase"),
+    ({"trainer": TRAINER, "shared_dir": "relative/dir"}, "shared_dir", "absolute"),
+])
+def test_nightly_settings_name_the_bad_field(changes, field, message):
+    with pytest.raises(ValidationError) as e:
+        NightlySettings(**{**BASE, **changes})
+    text = str(e.value)
+    assert field in text and message in text
+
+
+def test_grpo_needs_an_inference_deployment_and_a_valid_step():
+    with pytest.raises(ValidationError, match="inference"):
+        GrpoSettings(**BASE, inference=None)
+    with pytest.raises(ValidationError, match="trainer.epsilon"):
+        GrpoSettings(**BASE, trainer={"epsilon": 2})
+    assert GrpoSettings(**BASE).trainer.learning_rate is None  # step mode needs no overrides
+
+
+def test_for_flow_run_gives_each_run_its_own_name():
+    s = NightlySettings(**BASE, trainer=TRAINER)
+    a, b = s.for_flow_run("0729d8b7-1111-2222"), s.for_flow_run("ffee0000-1111-2222")
+    assert a.run_name == "nightly-0729d8b7" and a.run_dir == Path("/shared/runs/nightly-0729d8b7")
+    assert b.run_dir != a.run_dir and s.for_flow_run("0729d8b7-1111-2222") == a
+
+
+def test_round_prompts_wrap_and_shards_cover_them(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(5)]
+    assert [r["prompt"][0]["content"] for r in round_prompts(rows, 1, 4)] == ["4", "0", "1", "2"]
+    specs = shard_specs(rows, round=2, per_round=5, shards=3, policy_version=2, round_dir=tmp_path)
+    assert sorted(r["prompt"][0]["content"] for s in specs for r in s.rows) == ["0", "1", "2", "3", "4"]
+    assert [s.out_path.name for s in specs] == ["shard-000.jsonl", "shard-001.jsonl", "shard-002.jsonl"]
+    assert all(s.policy_version == 2 for s in specs)
+
+
+def test_pooled_rewards_match_the_rewards_taken_together():
+    groups = [[0.0, 1.0, 1.0, 0.0], [1.0, 1.0], [0.0, 0.0, 0.0]]
+
+    def result(values, shard):
+        m = sum(values) / len(values)
+        sd = math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+        return ShardResult(round=0, shard=shard, path=Path("x"), samples=len(values), reward_mean=m, reward_std=sd,
+                           advantage_abs_mean=0, policy_version=0, seconds=0)
+
+    n, mean, std, spread = pooled_rewards([result(g, i) for i, g in enumerate(groups)])
+    flat = [v for g in groups for v in g]
+    m = sum(flat) / len(flat)
+    assert n == 9 and mean == pytest.approx(m)
+    assert std == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in flat) / len(flat)))
+    assert spread > 0
+
+
+def test_only_unavailable_deployments_are_retried():
+    assert is_transient(CompletionsUnavailable("failed after 5 attempts (HTTP 503)"))
+    assert not is_transient(CompletionsError("HTTP 401: unauthorized"))
+    assert is_transient(ConnectionError("reset"))
+    assert not is_transient(ValueError("bad"))

@@ -1,0 +1,205 @@
+"""The trainer as a cluster job, end to end: a real tiny GRPO run on the real single-node Slurm
+(checkpoints watched in order, a requeue that resumes from the last checkpoint) and on the local
+backend (through `posttrain train`), plus the failure path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.cli import main
+from posttrain.cluster import JobState
+from posttrain.runs.follow import TrainingFailed, TrainingRun, run_and_watch
+from posttrain.runs.job import parse_training_run
+from posttrain.trainer.checkpoints import complete_checkpoints, last_complete_checkpoint
+
+pytestmark = pytest.mark.slow
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # for the model build here; jobs get it from cluster.env
+
+# A reward that takes a while, so that a requeue lands mid-run; importable by the job via PYTHONPATH.
+SLOW_REWARD = '''
+import time
+from posttrain.rewards import length_reward
+
+def slow_length_reward(completions, **kwargs):
+    time.sleep(0.6)
+    return length_reward(completions, **kwargs)
+'''
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    """'Shared storage' of the single node: the tiny model, a staged toy dataset, the slow reward."""
+    from posttrain.datasets.staging import stage_dataset
+    from posttrain.datasets.toy import write_toy_jsonl
+    from posttrain.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("shared")
+    build_tiny_model(root / "model", seed=0)
+    stage_dataset(write_toy_jsonl(root / "toy.jsonl", n=8, seed=0), root / "store")
+    (root / "pymod").mkdir()
+    (root / "pymod" / "slow_rewards.py").write_text(SLOW_REWARD)
+    return root
+
+
+def _settings(shared: Path, out: str, backend: str, *, slow: bool = False, **trainer) -> dict:
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(shared / "pymod")}
+    if backend == "slurm":
+        cluster = {"shared_dir": str(shared), "image": None, "python": sys.executable, "gpus_per_node": 0,
+                   "memory": "2G", "exclusive": False, "time_limit": "10", "launcher": "python",
+                   "poll_interval_s": 1, "env": env}  # fmt: skip
+    else:
+        cluster = {"folder": str(shared / "local-jobs"), "poll_interval_s": 0.3, "env": env}
+    manifest = next((shared / "store").glob("datasets/*/manifest.json"))
+    reward = "slow_rewards:slow_length_reward" if slow else "posttrain.rewards:length_reward"
+    return {
+        "name": f"tiny-{backend}",
+        "backend": backend,
+        "cluster": cluster,
+        "trainer": {
+            "mode": "grpo", "model_name_or_path": str(shared / "model"), "output_dir": str(shared / out),
+            "dataset_manifest": str(manifest), "reward_funcs": ["posttrain.rewards:correctness_reward", reward],
+            "learning_rate": 1e-3, "per_device_train_batch_size": 8, "num_generations": 4,
+            "max_completion_length": 8, "max_steps": 3, "save_steps": 1, "use_cpu": True, **trainer,
+        },
+    }  # fmt: skip
+
+
+def _global_step(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+
+
+def _state_mtime(checkpoint: Path) -> int:
+    return (checkpoint / "trainer_state.json").stat().st_mtime_ns
+
+
+def _scontrol_show(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("slurm_cluster")
+def test_slurm_trains_and_hands_out_checkpoints_in_order(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
+    config = parse_training_run(_settings(shared, "slurm-run", "slurm"))
+    runs: list[TrainingRun] = []
+    states: list[JobState] = []
+
+    def submitted(run: TrainingRun) -> None:
+        runs.append(run)
+        slurm_jobs.append(run.handle)
+
+    steps = [
+        info.step
+        for info in run_and_watch(
+            config, on_submit=submitted, cursor_path=tmp_path / "cursor.json", poll_interval=0.3, on_state=states.append
+        )
+    ]
+    (run,) = runs
+    assert steps == [1, 2, 3]
+    assert states[-1] == JobState.COMPLETED and run.state() == JobState.COMPLETED
+    assert set(states) <= {JobState.PENDING, JobState.RUNNING, JobState.COMPLETED}
+    (result,) = run.results()
+    assert (result.global_step, result.completed, result.resumed_from) == (3, True, None)
+    assert _global_step(shared / "slurm-run" / "checkpoint-3") == 3
+    job_dir = Path(run.handle.job_dir)
+    assert (job_dir / "trainer.yaml").read_text() == run.spec.files["trainer.yaml"]
+    assert "export HF_HUB_OFFLINE=1" in (job_dir / "node.sh").read_text()
+    assert Path(run.log_path).exists() and '"global_step": 3' in run.handle.tail_log(200)
+    # a second watch of the same cursor has nothing new
+    assert list(run.checkpoints(cursor_path=tmp_path / "cursor.json", poll_interval=0.3)) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("slurm_cluster")
+def test_slurm_requeue_resumes_from_the_last_checkpoint(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
+    """`scontrol requeue` mid-run: the trainer gets SIGTERM (it saves at the end of its step and
+    exits 75, or is killed after KillWait), Slurm holds the job ~120 s (released here to now+3,
+    never `now`), and the next attempt resumes from the last complete checkpoint."""
+    out = shared / "slurm-requeue"
+    config = parse_training_run(_settings(shared, out.name, "slurm", slow=True, max_steps=8, save_steps=2))
+    runs: list[TrainingRun] = []
+    seen: list[int] = []
+    before: dict[str, int] = {}
+
+    def submitted(run: TrainingRun) -> None:
+        runs.append(run)
+        slurm_jobs.append(run.handle)
+
+    for info in run_and_watch(config, on_submit=submitted, cursor_path=tmp_path / "cursor.json", poll_interval=0.3):
+        seen.append(info.step)
+        if len(seen) == 1:  # at least one checkpoint exists: preempt the job
+            job_id = runs[0].job_id
+            subprocess.run(["scontrol", "requeue", job_id], check=True)
+            deadline = time.monotonic() + 60
+            while "Reason=BeginTime" not in _scontrol_show(job_id):
+                assert time.monotonic() < deadline, _scontrol_show(job_id)
+                time.sleep(0.2)
+            # the first attempt is gone: what it left is what the second must resume from
+            last = last_complete_checkpoint(out)
+            before = {str(c.path): _state_mtime(c.path) for c in complete_checkpoints(out)}
+            time.sleep(1.1)
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now+3"], check=True)
+
+    (run,) = runs
+    assert run.state() == JobState.COMPLETED
+    assert seen == sorted(seen) and len(set(seen)) == len(seen) and seen[-1] == 8
+    assert last is not None and 2 <= last.step < 8
+    results = run.results()
+    final = results[-1]
+    assert (final.resumed_from, final.global_step, final.completed) == (last.path, 8, True)
+    assert all(r.stopped_early and r.checkpoint == last.path for r in results[:-1])  # a SIGKILLed attempt writes none
+    assert f"resuming from {last.path}" in run.handle.tail_log(2000)
+    assert "Restarts=1" in _scontrol_show(run.job_id)
+    # not from scratch: the checkpoints of the first attempt were never rewritten, later ones continue
+    for path, mtime in before.items():
+        assert _state_mtime(Path(path)) == mtime, path
+    assert [_global_step(c.path) for c in complete_checkpoints(out) if c.step > last.step] == [
+        s for s in (4, 6, 8) if s > last.step
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_local_backend_runs_the_same_trainer_through_the_cli(shared: Path, tmp_path: Path, capsys) -> None:
+    settings = tmp_path / "settings.yaml"
+    settings.write_text(yaml.safe_dump(_settings(shared, "local-run", "local")))
+    assert main(["train", str(settings), "--cursor", str(tmp_path / "cursor.json")]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [c["step"] for c in lines] == [1, 2, 3]
+    assert lines[-1]["path"] == str(shared / "local-run" / "checkpoint-3")
+    assert "submitted " in captured.err and "RUNNING" in captured.err
+    assert f"ended COMPLETED: global_step 3, last checkpoint {shared / 'local-run' / 'checkpoint-3'}" in captured.err
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_trainer_raises_with_the_reason_and_the_log(shared: Path, tmp_path: Path) -> None:
+    doc = _settings(shared, "local-bad", "local")
+    doc["trainer"]["dataset_manifest"] = str(shared / "missing" / "manifest.json")
+    config = parse_training_run(doc)
+    with pytest.raises(TrainingFailed) as failed:
+        for _ in run_and_watch(config, cursor_path=tmp_path / "cursor.json", poll_interval=0.3):
+            pass
+    assert failed.value.state == "FAILED"
+    assert "command exited with status 2" in failed.value.reason
+    assert "posttrain.trainer: error:" in failed.value.reason and "manifest.json" in failed.value.reason
+
+
+@pytest.mark.timeout(120)
+def test_leaving_the_watch_early_cancels_the_job(shared: Path, tmp_path: Path) -> None:
+    """What Ctrl-C in `posttrain train` does: the iterator owns the job and cancels it when left."""
+    config = parse_training_run(_settings(shared, "local-cancel", "local", slow=True, max_steps=50))
+    runs: list[TrainingRun] = []
+    watch = run_and_watch(config, on_submit=runs.append, cursor_path=tmp_path / "cursor.json", poll_interval=0.3)
+    assert next(watch).step == 1
+    watch.close()
+    (run,) = runs
+    assert run.handle.wait(timeout_s=30) == JobState.CANCELLED
+    assert last_complete_checkpoint(shared / "local-cancel").step < 50

@@ -1,0 +1,76 @@
+"""``posttrain serve`` as a process: it starts, serves, hot-loads, stops on SIGTERM, and never prints the token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_end_to_end(chain, tmp_path):
+    from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
+
+    port = _free_port()
+    env = {**os.environ, "SERVE_TEST_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "posttrain", "serve", "--model", str(chain.models[0]), "--port", str(port),
+           "--deployment-id", DEPLOYMENT, "--store", str(chain.store), "--prefix", PREFIX,
+           "--token-env", "SERVE_TEST_TOKEN", "--work-dir", str(tmp_path / "work"), "--served-model-name", "tiny",
+           "--device", "cpu", "--log-level", "debug"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if requests.get(url + "/health", headers=headers, timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "posttrain serve did not start"
+            time.sleep(0.2)
+        assert requests.get(url + "/health", timeout=5).status_code == 401
+        body = requests.post(url + "/v1/completions", headers=headers, timeout=30,
+                             json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+        assert body["choices"][0]["token_ids"] == chain.greedy[0]
+        with CoreWeaveHotLoader(HotLoadConfig(api_url=url, deployment_id=DEPLOYMENT, token=TOKEN,
+                                              poll_interval=0.05, timeout=30)) as client:
+            client.hot_load(chain.full)
+            client.hot_load(chain.d1, base_identity=chain.full)
+        body = requests.post(url + "/v1/completions", headers=headers, timeout=30,
+                             json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+        assert body["choices"][0]["token_ids"] == chain.greedy[1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    output = log_path.read_text()
+    assert rc == 0, output
+    assert f"on http://127.0.0.1:{port}" in output and "COMPLETED" in output
+    assert TOKEN not in output
+
+
+def test_serve_refuses_to_start_without_a_token(chain, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SERVE_TEST_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "posttrain", "serve", "--model", str(chain.models[0]),
+                        "--deployment-id", "d", "--store", str(tmp_path), "--token-env", "SERVE_TEST_TOKEN"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "SERVE_TEST_TOKEN" in r.stderr
