@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain.errors import TransientError
+
 PublishFull = Callable[[], str]
 """Publishes a full snapshot of the current weights to the deployment's store; returns its identity."""
 
@@ -61,7 +63,7 @@ class HotLoadFailed(HotLoadError):
         self.reason = reason
 
 
-class HotLoadTimeout(HotLoadError):
+class HotLoadTimeout(HotLoadError, TransientError):
     """The hot-load did not converge within the timeout; the operation may still be running."""
 
 
@@ -72,6 +74,19 @@ class HotLoadAPIError(HotLoadError):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class HotLoadUnavailable(HotLoadAPIError, TransientError):
+    """A call that may succeed when repeated failed: a connection error, a timeout, HTTP 429 or 5xx.
+
+    ``status`` is None for a connection error or timeout; ``retry_after`` is the server's
+    Retry-After in seconds, when it sent one.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, code: int | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message, status=status, code=code)
+        self.retry_after = retry_after
 
 
 @runtime_checkable

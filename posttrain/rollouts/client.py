@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import requests
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from posttrain.errors import TransientError
+
 
 class CompletionsError(Exception):
     """A completions call failed for good (a bad request, a bad reply); the message never holds the token."""
 
 
-class CompletionsUnavailable(CompletionsError):
+class CompletionsUnavailable(CompletionsError, TransientError):
     """The deployment did not answer, or kept answering 429/5xx: worth trying again later."""
 
 
