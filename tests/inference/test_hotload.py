@@ -221,14 +221,26 @@ def test_an_unfinished_operation_of_the_same_identity_is_followed(server, api, m
     assert api.stats()["creates"] == {chain.full: 1}
 
 
-def test_retries_on_5xx_and_429_with_retry_after(server, api, make_client, chain):
+def test_retries_on_5xx_and_429_with_retry_after(server, api, chain):
+    from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
+
     api.faults(
         {"kind": "http_error", "status": 503, "count": 2, "method": "GET", "path_prefix": API_PREFIX},
         {"kind": "http_error", "status": 429, "method": "POST", "path_prefix": API_PREFIX, "retry_after": 0.2},
     )
-    t0 = time.monotonic()
-    result = make_client(server).hot_load(chain.full)
-    assert result.retries >= 3 and time.monotonic() - t0 >= 0.2
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        time.sleep(seconds)
+
+    config = HotLoadConfig(api_url=server.url, deployment_id=DEPLOYMENT, token=TOKEN, poll_interval=0.05,
+                           timeout=30, request_timeout=10, backoff_base=0.01, backoff_max=0.05)
+    with CoreWeaveHotLoader(config, sleep=sleep) as client:
+        result = client.hot_load(chain.full)
+    assert result.retries == 3 and api.stats()["pending"] == []
+    assert sleeps.count(0.2) == 1  # the 429's Retry-After, longer than any backoff (<= 0.05) or poll (0.05)
+    assert all(s <= 0.05 for s in sleeps if s != 0.2)
     assert api.stats()["creates"] == {chain.full: 1}
 
 

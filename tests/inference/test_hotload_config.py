@@ -1,12 +1,15 @@
-"""The client's configuration and operation ids (no server)."""
+"""The client's configuration, operation ids and checks made on what it sends and receives (no server)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from posttrain.inference.contract import HotLoadAPIError
 from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig, operation_id_for
+from posttrain.inference.protocol import STATE_RUNNING
 from posttrain.serve.serve_config import ServeConfig, read_token
+from tests.inference.fake_http import FakeSession, reply
 from tests.support.serving import TOKEN
 
 
@@ -43,11 +46,28 @@ def test_every_field_is_described(model):
 
 
 def test_identities_are_checked_before_any_call():
-    client = CoreWeaveHotLoader(HotLoadConfig(deployment_id="d", token=TOKEN, api_url="http://127.0.0.1:9"))
+    session = FakeSession()  # any call would fail the test with "unexpected call"
+    client = CoreWeaveHotLoader(HotLoadConfig(deployment_id="d", token=TOKEN), session=session)
     with pytest.raises(ValueError, match="one path segment"):
         client.hot_load("../etc")
     with pytest.raises(ValueError, match="base_identity"):
         client.hot_load("step-1", base_identity="a/b")
+    with pytest.raises(ValueError, match="identity"):
+        client.hot_load("")
+    assert session.calls == []
+
+
+def test_an_operation_found_under_our_id_for_another_snapshot_is_refused():
+    op_id = operation_id_for("d", "step-1", 0)
+    other = {"hotLoad": {"spec": {"id": op_id, "identity": "step-9", "deploymentId": "d"},
+                         "status": {"state": STATE_RUNNING}}}
+    session = FakeSession([reply(200, other)])
+    client = CoreWeaveHotLoader(HotLoadConfig(deployment_id="d", token=TOKEN), session=session)
+    with pytest.raises(HotLoadAPIError, match=f"hot-load {op_id} is for identity 'step-9' on deployment 'd', "
+                                              "expected 'step-1' on 'd'"):
+        client.hot_load("step-1")
+    (call,) = session.calls
+    assert call["method"] == "GET" and call["url"].endswith(f"/hotLoads/{op_id}")
 
 
 def test_read_token(tmp_path, monkeypatch):
