@@ -59,7 +59,7 @@ def _sbatch_and_node(config: SlurmConfig, spec: JobSpec) -> tuple[str, str]:
     backend = SlurmBackend(config)
     checked = backend.check(spec)
     ex = backend.executor(checked)
-    return ex._make_submission_file_text(ex._submitit_command_str, ""), backend.node_script(checked)
+    return ex.sbatch_text(), backend.node_script(checked)
 
 
 def test_golden_sbatch_script(golden, no_contact) -> None:
