@@ -1,9 +1,11 @@
-"""Durable file-system writes shared by the engines: one way to replace a file atomically."""
+"""Durable file-system writes shared by the engines: one way to replace a file atomically,
+and one way to move a folder built under a temporary name into place."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,30 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 @contextmanager
+def atomic_path(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[Path]:
+    """A temporary name beside ``path`` for a writer that needs a file name (a copy, a download).
+
+    On a clean exit the file the caller wrote there is renamed over ``path``; with ``durable``
+    it is fsynced first and the folder after. On an exception the temporary file is removed and
+    ``path`` is left as it was. Parent folders are created. ``durable=False`` suits copies that
+    can be fetched again (downloads into a cache), where an fsync would only slow large files.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+    try:
+        yield tmp
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_path(path.parent)
+
+
+@contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "w", **open_args: Any) -> Iterator[IO[Any]]:
     """Write a file that readers see whole or not at all, and that survives a crash once written.
 
@@ -29,21 +55,10 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", **open_args: Any)
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', not {mode!r}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
     if mode == "w":
         open_args.setdefault("encoding", "utf-8")
-    try:
-        with open(tmp, mode, **open_args) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    with atomic_path(path) as tmp, open(tmp, mode, **open_args) as f:
+        yield f
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
@@ -51,3 +66,46 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
     with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as f:
         f.write(data)
     return Path(path)
+
+
+@contextmanager
+def staging_dir(final: str | os.PathLike[str], *, clear_leftovers: bool = False) -> Iterator[Path]:
+    """A new empty hidden folder beside ``final`` to build it in; removed on exit unless it was
+    moved into place (``publish_dir``). ``clear_leftovers`` first removes the staging folders
+    of earlier, killed attempts at ``final``: only for a target that one writer builds at a time.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if clear_leftovers:
+        for leftover in final.parent.glob(f".tmp-{final.name}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_dir(tmp: str | os.PathLike[str], final: str | os.PathLike[str], *, sync_files: bool = False) -> Path:
+    """Rename the folder ``tmp`` to ``final`` durably, never overwriting: ``FileExistsError``
+    naming ``final`` when it exists already (``tmp`` is then left to the caller).
+
+    The folder is fsynced before the rename and its parent after; ``sync_files`` also fsyncs
+    everything in it first, for writers (e.g. ``save_pretrained``) that do not sync their own.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if sync_files:
+        for path in sorted(tmp.rglob("*")):
+            if not path.is_symlink():
+                fsync_path(path)
+    fsync_path(tmp)
+    try:
+        os.rename(tmp, final)  # fails on an existing non-empty folder: never overwrites
+    except OSError:
+        if final.exists():
+            raise FileExistsError(f"{final} already exists; nothing was overwritten") from None
+        raise
+    fsync_path(final.parent)
+    return final

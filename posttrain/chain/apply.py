@@ -30,6 +30,7 @@ from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
+from posttrain.fsutil import atomic_write
 
 
 class _FrameSlice:
@@ -230,5 +231,5 @@ def write_checkpoint_index(out: Path, base: Checkpoint, version: str | None, con
         metadata["version"] = version
     weight_map = {n: i.path.name for n, i in sorted(base.tensors.items())}
     if config is not None:
-        (out / "config.json").write_bytes(config)
+        atomic_write(out / "config.json", config)
     write_json_atomic(out / INDEX_NAME, {"metadata": metadata, "weight_map": weight_map})

@@ -24,6 +24,7 @@ from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, Chun
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
+from posttrain.fsutil import atomic_write
 
 ZSTD_LEVEL = 1
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -179,7 +180,7 @@ def write_full(
     finally:
         for fd in fds:
             os.close(fd)
-    (dest / "config.json").write_bytes(config)
+    atomic_write(dest / "config.json", config)  # synced: the index, written last, commits the folder
     tensors = {n: results[n] for n in names}
     return EncodedSnapshot(
         kind="full",
@@ -343,11 +344,4 @@ def write_index(dest: Path, encoded: EncodedSnapshot, *, version: str, base_vers
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
+    atomic_write(path, json.dumps(obj, indent=2) + "\n")

@@ -11,8 +11,6 @@ folder with exactly that path.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 from posttrain.chain.checkpoint import INDEX_NAME
 from posttrain.chain.format import IDENTITY_RE, MAX_CHAIN_DELTAS
 from posttrain.chain.ops import Reconstructed, reconstruct
+from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.storage.base import Store
 from posttrain.storage.errors import NotFound
 from posttrain.storage.keys import join
@@ -107,18 +106,18 @@ class SnapshotSource:
         names = [n for n in names if n and "/" not in n]
         if INDEX_NAME not in names:
             raise SnapshotError(f"snapshot {identity} is not in the store: no {INDEX_NAME}")
-        tmp = self.cache_dir / f".tmp-{identity}-{secrets.token_hex(4)}"
+        if dest.exists():
+            shutil.rmtree(dest)  # a partial copy left by a crash
         try:
-            for name in sorted(names, key=lambda n: n == INDEX_NAME):  # the index last
-                self.store.get_file(self._key(identity, name), tmp / name)
-            if dest.exists():
-                shutil.rmtree(dest)  # a partial copy left by a crash
-            os.rename(tmp, dest)
+            with staging_dir(dest) as tmp:
+                for name in sorted(names, key=lambda n: n == INDEX_NAME):  # the index last
+                    self.store.get_file(self._key(identity, name), tmp / name)
+                publish_dir(tmp, dest)
         except NotFound as e:
             raise SnapshotError(f"snapshot {identity}: a file vanished while downloading ({e})") from None
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        except FileExistsError:
+            if not (dest / INDEX_NAME).is_file():  # else another fetcher of the same snapshot won the race
+                raise
         return dest
 
     def forget(self, identities: list[str]) -> None:

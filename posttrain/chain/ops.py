@@ -7,13 +7,8 @@ a failure leaves nothing behind and an existing folder is never overwritten.
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
-import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,33 +32,17 @@ from posttrain.chain.format import (
     slime_dir,
 )
 from posttrain.chain.snapshot import held_version, open_delta, read_index
-from posttrain.fsutil import fsync_path as fsync_dir
+from posttrain.fsutil import publish_dir, staging_dir
 
 CHECKPOINT_STEP_RE = re.compile(r"checkpoint-(\d+)$")
 
 
-@contextmanager
-def staging_dir(final: Path) -> Iterator[Path]:
-    """A temporary sibling of ``final``; removed unless the caller renamed it into place."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        yield tmp
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def commit_dir(tmp: Path, final: Path) -> None:
-    fsync_dir(tmp)
+    """Move a finished snapshot folder into place (``publish_dir``); ``OutputExists`` if it is there."""
     try:
-        os.rename(tmp, final)  # fails on an existing non-empty folder: never overwrites
-    except OSError:
-        if final.exists():
-            raise OutputExists(f"{final} already exists; nothing was overwritten") from None
-        raise
-    fsync_dir(final.parent)
+        publish_dir(tmp, final)
+    except FileExistsError as e:
+        raise OutputExists(str(e)) from None
 
 
 @dataclass

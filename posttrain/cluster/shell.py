@@ -42,6 +42,7 @@ class LocalShell:
             return None
 
     def rename(self, src: str, dst: str) -> None:
+        # not fsutil.atomic_write: renames a staged file to the name submitit's entry point waits for
         os.rename(src, dst)
 
 

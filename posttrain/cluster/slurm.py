@@ -20,14 +20,12 @@ import math
 import pickle
 import shlex
 import subprocess
-import tempfile
 import time
-from pathlib import Path
+from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import submitit
-from submitit.core import utils as submitit_utils
-from submitit.slurm.slurm import SlurmInfoWatcher
 
 from posttrain.cluster import checks
 from posttrain.cluster.command_job import CommandJob
@@ -37,6 +35,7 @@ from posttrain.cluster.handle import DryRunHandle, HandleBase, log_excerpt
 from posttrain.cluster.launch import Topology, launch_line
 from posttrain.cluster.shell import LocalShell, SshShell
 from posttrain.cluster.spec import JobSpec, JobState
+from posttrain.cluster.submitit_compat import ShellWatcher, StagingExecutor, job_class, job_paths
 
 SBATCH_FILE = "sbatch.sh"
 NODE_FILE = "node.sh"
@@ -74,55 +73,13 @@ def slurm_state(raw: str) -> JobState:
     return _STATES.get(word, JobState.UNKNOWN)
 
 
-class _ShellWatcher(SlurmInfoWatcher):
-    """submitit's sacct poller, through the backend's shell (ssh when ssh_host is set)."""
-
-    def __init__(self, shell: LocalShell, delay_s: float) -> None:
-        super().__init__(delay_s=int(max(1, delay_s)))
-        self.shell = shell
-
-    def _make_command(self) -> list[str] | None:
-        command = super()._make_command()
-        return None if command is None else self.shell.argv(command)
-
-
-class _Executor(submitit.SlurmExecutor):
-    """submitit's SlurmExecutor whose submission stages the job folder through a shell and runs
-    ``sbatch --parsable`` with retries, instead of writing locally and calling sbatch once."""
-
-    def __init__(self, folder: str, *, python: str, max_num_timeout: int, backend: SlurmBackend) -> None:
-        super().__init__(folder, max_num_timeout=max_num_timeout, python=python)
-        self._backend = backend
-        self.files: dict[str, bytes] = {}
-        self.job_class = backend.job_class
-
-    @classmethod
-    def affinity(cls) -> int:
-        return 2  # srun is on the cluster, possibly behind ssh; never look for it here
-
-    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
-        if len(delayed_submissions) != 1:
-            raise SubmissionError("the Slurm backend submits one job at a time")
-        (delayed,) = delayed_submissions
-        delayed.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
-        with tempfile.TemporaryDirectory() as tmp:
-            pickle_path = Path(tmp) / "job.pkl"
-            delayed.dump(pickle_path)
-            pickled = pickle_path.read_bytes()
-        script = self._make_submission_file_text(self._submitit_command_str, "")
-        files = {SBATCH_FILE: script.encode(), **self.files, PENDING_PICKLE: pickled}
-        job_id = self._backend.stage_and_sbatch(str(self.folder), files, self.parameters["comment"])
-        return [self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))]
-
-
 class SlurmBackend:
     """Submits ``JobSpec``s to Slurm; see the module docstring for what lands where."""
 
     def __init__(self, config: SlurmConfig, shell: LocalShell | None = None) -> None:
         self.config = config
         self.shell = shell or (SshShell(config.ssh_host) if config.ssh_host else LocalShell())
-        watcher = _ShellWatcher(self.shell, config.poll_interval_s)
-        self.job_class = type("PosttrainSlurmJob", (submitit.SlurmJob,), {"watcher": watcher})
+        self.job_class = job_class(ShellWatcher(self.shell, config.poll_interval_s))
 
     # ------------------------------------------------------------------ rendering
     def job_dir(self, spec: JobSpec) -> str:
@@ -184,12 +141,16 @@ class SlurmBackend:
         lines += ['exec "$@"', ""]
         return "\n".join(lines)
 
-    def executor(self, spec: JobSpec) -> _Executor:
+    def executor(self, spec: JobSpec, files: Mapping[str, bytes] | None = None) -> StagingExecutor:
+        """submitit's executor for ``spec``; submitting stages ``files`` with the sbatch script."""
         cfg = self.config
         job_dir = self.job_dir(spec)
         workdir = spec.workdir or job_dir
         python = f"/bin/bash {shlex.quote(f'{job_dir}/{NODE_FILE}')} {shlex.quote(cfg.python)}"
-        ex = _Executor(job_dir, python=python, max_num_timeout=cfg.max_requeues, backend=self)
+        ex = StagingExecutor(
+            job_dir, python=python, max_num_timeout=cfg.max_requeues, job_class=self.job_class,
+            submit_job=partial(self.stage_and_sbatch, job_dir, dict(files or {})),
+        )
         setup = [
             "set -euo pipefail",
             'mapfile -t posttrain_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
@@ -233,7 +194,7 @@ class SlurmBackend:
         spec = self.check(spec)
         ex = self.executor(spec)
         job_dir = str(ex.folder)
-        sbatch = ex._make_submission_file_text(ex._submitit_command_str, "")
+        sbatch = ex.sbatch_text()
         srun = next(line for line in sbatch.splitlines() if line.startswith("srun "))
         if spec.command is not None:
             node_command = self.node_command(spec)
@@ -268,9 +229,9 @@ class SlurmBackend:
             print(text, end="")
             return DryRunHandle(text)
         spec = self.check(spec)
-        ex = self.executor(spec)
-        ex.files = {NODE_FILE: self.node_script(spec).encode()}
-        ex.files.update({name: text.encode() for name, text in spec.files.items()})
+        files = {NODE_FILE: self.node_script(spec).encode()}
+        files.update({name: text.encode() for name, text in spec.files.items()})
+        ex = self.executor(spec, files)
         if spec.command is not None:
             job = ex.submit(CommandJob(self.node_command(spec), grace_s=max(5, self.config.signal_delay_s - 30)))
         else:
@@ -282,7 +243,10 @@ class SlurmBackend:
         job = self.job_class(folder=job_dir, job_id=job_id, tasks=list(range(self.config.nodes)))
         return SlurmHandle(job, self.shell, nodes=self.config.nodes, poll_s=self.config.poll_interval_s)
 
-    def stage_and_sbatch(self, job_dir: str, files: dict[str, bytes], comment: str) -> str:
+    def stage_and_sbatch(self, job_dir: str, files: dict[str, bytes], script: str, pickled: bytes, comment: str) -> str:
+        """Write the job folder (sbatch script, ``files``, pickled job), submit it, and name the
+        pickle after the job id."""
+        files = {SBATCH_FILE: script.encode(), **files, PENDING_PICKLE: pickled}
         try:
             self.shell.stage(job_dir, files)
         except (OSError, subprocess.CalledProcessError) as e:
@@ -349,10 +313,10 @@ class SlurmHandle(HandleBase):
         self.log_path = self.log_path_of(0)
 
     def log_path_of(self, rank: int) -> str:
-        return str(submitit_utils.JobPaths(self.job_dir, self.job_id, rank).stdout)
+        return str(job_paths(self.job_dir, self.job_id, rank).stdout)
 
     def _result_path(self, rank: int = 0) -> str:
-        return str(submitit_utils.JobPaths(self.job_dir, self.job_id, rank).result_pickle)
+        return str(job_paths(self.job_dir, self.job_id, rank).result_pickle)
 
     def _outcome(self) -> tuple[str, Any] | None:
         data = self.shell.read_bytes(self._result_path(0))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import submitit
 
+from posttrain.fsutil import atomic_write
+
 
 def _read(state: Path) -> int:
     try:
@@ -25,9 +27,7 @@ def _read(state: Path) -> int:
 
 
 def _write(state: Path, step: int) -> None:
-    tmp = state.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step}))
-    os.replace(tmp, state)
+    atomic_write(state, json.dumps({"step": step}))
 
 
 def count(steps: int, state_file: str, sleep_s: float = 0.5) -> dict:

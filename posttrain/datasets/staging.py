@@ -17,8 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from posttrain.fsutil import fsync_path as _fsync_dir
+from posttrain.fsutil import atomic_open, atomic_write, publish_dir, staging_dir
 
 DATA_FILE = "data.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -105,31 +103,25 @@ def stage_dataset(
     final = datasets_dir / digest[:DIGEST_PREFIX_CHARS]
     if (final / MANIFEST_FILE).exists():
         return _existing(final, digest)
-    datasets_dir.mkdir(parents=True, exist_ok=True)
-    tmp = datasets_dir / f".tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    with staging_dir(final) as tmp:
         if _normalized_rows(source, fmt, out=tmp / DATA_FILE)[0] != digest:
             raise StagingError(f"{source}: changed while it was being staged; nothing staged")
         manifest = DatasetManifest(
             digest=digest, rows=rows, columns=columns, source=str(source), created=datetime.now(UTC)
         )
-        _write_file_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2).encode() + b"\n")
+        atomic_write(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2) + "\n")
         try:
-            os.rename(tmp, final)
-        except OSError:
+            publish_dir(tmp, final)
+        except FileExistsError:
             if (final / MANIFEST_FILE).exists():  # a concurrent stager of the same data won the race
                 return _existing(final, digest)
-            raise
-        _fsync_dir(datasets_dir)
-        return StagedDataset(
-            manifest=manifest,
-            manifest_path=final / MANIFEST_FILE,
-            data_path=final / DATA_FILE,
-            already_staged=False,
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            raise StagingError(f"{final}: exists without a {MANIFEST_FILE}; remove it and stage again") from None
+    return StagedDataset(
+        manifest=manifest,
+        manifest_path=final / MANIFEST_FILE,
+        data_path=final / DATA_FILE,
+        already_staged=False,
+    )
 
 
 def load_manifest(manifest_path: str | os.PathLike[str]) -> DatasetManifest:
@@ -176,7 +168,7 @@ def _normalized_rows(source: Path, fmt: SourceFormat, out: Path | None) -> tuple
     digest = hashlib.sha256()
     rows = 0
     columns: list[str] | None = None
-    with open(out, "wb") if out is not None else contextlib.nullcontext() as f:
+    with atomic_open(out, "wb") if out is not None else contextlib.nullcontext() as f:
         for where, row in _read_rows(source, fmt):
             if isinstance(row, Exception):
                 problems.append(f"{where}: {row}")
@@ -192,9 +184,6 @@ def _normalized_rows(source: Path, fmt: SourceFormat, out: Path | None) -> tuple
             if f is not None:
                 f.write(data)
             rows += 1
-        if f is not None:
-            f.flush()
-            os.fsync(f.fileno())
     if not problems and rows == 0:
         problems.append("no rows")
     if problems:
@@ -295,11 +284,3 @@ def _prompt_problems(prompt: Any) -> list[str]:
         if not isinstance(content, str):
             problems.append(f"{where}: content must be text, got {type(content).__name__}")
     return problems
-
-
-def _write_file_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain.fsutil import atomic_open
 from posttrain.rollouts.client import CompletionsClient
 from posttrain.rollouts.format import Rollout, write_rollouts
 from posttrain.rollouts.scoring import group_advantages, load_reward_funcs, score
@@ -101,12 +102,10 @@ def run_shard(spec: ShardSpec, settings: RolloutSettings, client: CompletionsCli
 
 def merge_rollouts(paths: list[Path], out: Path) -> Path:
     """Concatenate shard files into the round's rollouts file (atomically)."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(out) as f:
         for p in paths:
             for line in Path(p).read_text().splitlines():
                 if line.strip():
                     json.loads(line)  # a torn shard file fails here, not in training
                     f.write(line + "\n")
-    tmp.replace(out)
     return out

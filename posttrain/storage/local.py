@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from posttrain.fsutil import fsync_path
+from posttrain.fsutil import atomic_path, fsync_path
 from posttrain.storage.base import PathLike, Store
 from posttrain.storage.errors import InvalidKey, NotFound, PreconditionFailed
 from posttrain.storage.keys import check_key, check_prefix
@@ -27,6 +27,10 @@ def etag_of(data: bytes) -> str:
 
 class LocalStore(Store):
     """Objects are files under ``root``; writes are atomic (temporary file, fsync, rename).
+
+    Not ``fsutil.atomic_open``: a temporary file beside its key would be listed as an object, so
+    temporary files live in the hidden ``META_DIR``, and the rename happens under the lock, after
+    a conditional write's check.
 
     Renames, deletes and conditional writes run under one ``flock`` lock file, so
     conditional writes are safe between threads and processes on this machine.
@@ -63,10 +67,8 @@ class LocalStore(Store):
         data = bytes(data)
         tmp = self._tmp_path()
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp.write_bytes(data)
+            fsync_path(tmp)
             with self._lock():
                 if if_none_match and dest.is_file():
                     raise PreconditionFailed(f"{self._name(key)}: exists (if_none_match)")
@@ -93,17 +95,11 @@ class LocalStore(Store):
     # ------------------------------------------------------------------ reads
     def get_file(self, key: str, local_path: PathLike) -> None:
         src = self._path(key)
-        dest = Path(local_path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.part")
-        try:
+        with atomic_path(local_path, durable=False) as tmp:  # a copy that can be fetched again
             try:
                 shutil.copyfile(src, tmp)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 raise self._not_found(key) from None
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> tuple[bytes, str]:
         try:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.fsutil import atomic_path
 from posttrain.storage.base import PathLike, Store
 from posttrain.storage.errors import NotFound, PreconditionFailed, StorageError
 from posttrain.storage.keys import check_key, check_prefix, join
@@ -154,19 +153,13 @@ class S3Store(Store):
     # ------------------------------------------------------------------ reads
     def get_file(self, key: str, local_path: PathLike) -> None:
         full = self._key(key)
-        dest = Path(local_path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.part")
         client = self.client
-        try:
+        with atomic_path(local_path, durable=False) as tmp:  # a copy that can be fetched again
             try:
                 # objects above part_size come as parallel ranged GETs
                 client.download_file(self.config.bucket, full, str(tmp), Config=self._transfer)
             except Exception as e:  # noqa: BLE001
                 raise self._error(e, "download", full) from e
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> tuple[bytes, str]:
         from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def append_result(path: str, line: str) -> None:
-    """Append one line and fsync it: the submitter may read the file from another node."""
+    """Append one line and fsync it: the submitter may read the file from another node.
+
+    Not ``fsutil.atomic_write``: every attempt of a job adds its line to the same file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")

@@ -4,7 +4,7 @@ A folder counts only when it is completely written: its weights (``model.safeten
 shard named in ``model.safetensors.index.json``) have valid safetensors headers whose offsets
 match the file sizes, and ``config.json`` and ``trainer_state.json`` parse. The Hugging Face
 Trainer writes ``trainer_state.json`` last, so a folder that passes was finished. Anything else
-(``tmp-checkpoint-*``, missing files, truncated shards, transformers'
+(a ``.tmp-checkpoint-*`` staging folder, missing files, truncated shards, transformers'
 ``checkpoint-is-incomplete.txt`` sentinel) is incomplete.
 
 The trainer resumes from these; ``posttrain.runs.watch`` hands them out as they appear. No torch.

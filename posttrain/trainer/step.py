@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import threading
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.rollouts.format import Rollout, RolloutError, load_rollouts
 from posttrain.rollouts.scoring import group_advantages
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
@@ -314,28 +313,12 @@ def _already_written(target: Path, model_dir: Path, rollouts_sha: str) -> Traini
 
 def _save_atomically(model, optimizer, model_dir: Path, target: Path, state: PolicyState) -> None:
     """Write the checkpoint under a temporary name, sync it, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in target.parent.glob(f"tmp-{target.name}-*"):  # from a killed attempt
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp = target.parent / f"tmp-{target.name}-{uuid.uuid4().hex[:8]}"
-    try:
+    # one writer per step: a staging folder left by a killed attempt is removed
+    with staging_dir(target, clear_leftovers=True) as tmp:
         model.save_pretrained(tmp)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / TRAINER_STATE_FILE).write_text(state.model_dump_json(indent=2) + "\n")
-        for path in tmp.iterdir():
-            _fsync(path)
-        os.rename(tmp, target)
-        _fsync(target.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        publish_dir(tmp, target, sync_files=True)

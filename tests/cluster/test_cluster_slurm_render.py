@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def _sbatch_and_node(config: SlurmConfig, spec: JobSpec) -> tuple[str, str]:
     backend = SlurmBackend(config)
     checked = backend.check(spec)
     ex = backend.executor(checked)
-    return ex._make_submission_file_text(ex._submitit_command_str, ""), backend.node_script(checked)
+    return ex.sbatch_text(), backend.node_script(checked)
 
 
 def test_golden_sbatch_script(golden, no_contact) -> None:
@@ -243,3 +244,20 @@ def test_sbatch_refusal_is_not_retried(no_sleep) -> None:
     with pytest.raises(SubmissionError, match="Invalid partition"):
         SlurmBackend(representative_config(), shell=shell)._sbatch("/x/sbatch.sh", "posttrain:a-b")
     assert [c[0] for c in shell.commands] == ["sbatch", "squeue"]
+
+
+def test_submit_stages_the_job_folder_then_names_the_pickle_after_the_job_id(tmp_path: Path) -> None:
+    shell = ScriptedShell({"sbatch": [(0, "77;cluster\n", "")]})  # stages and renames files for real
+    backend = SlurmBackend(representative_config(shared_dir=str(tmp_path), env_file=None, mounts=[]), shell=shell)
+    spec = representative_spec(output_dir=f"{tmp_path}/out")
+    handle = backend.submit(spec)
+    job_dir = Path(backend.job_dir(spec))
+    assert handle.job_id == "77" and handle.job_dir == str(job_dir)
+    assert sorted(p.name for p in job_dir.iterdir()) == ["77_submitted.pkl", NODE_FILE, "sbatch.sh", "trainer.yaml"]
+    assert shell.commands == [["sbatch", "--parsable", f"{job_dir}/sbatch.sh"]]
+    assert "#SBATCH --comment=posttrain:grpo-nightly-20250101-000000-abcd" in (job_dir / "sbatch.sh").read_text()
+    assert (job_dir / "trainer.yaml").read_text() == spec.files["trainer.yaml"]
+    delayed = pickle.loads((job_dir / "77_submitted.pkl").read_bytes())
+    assert delayed.function.line == backend.node_command(backend.check(spec))
+    assert handle.log_path == f"{job_dir}/77_0_log.out"
+    assert backend.attach("77", str(job_dir)).log_path_of(1) == f"{job_dir}/77_1_log.out"
