@@ -181,17 +181,7 @@ def write_full(
         for fd in fds:
             os.close(fd)
     atomic_write(dest / "config.json", config)  # synced: the index, written last, commits the folder
-    tensors = {n: results[n] for n in names}
-    return EncodedSnapshot(
-        kind="full",
-        weight_map=weight_map,
-        files=files,
-        tensors=tensors,
-        layout=new.layout(),
-        raw_bytes=new.total_bytes,
-        content=_content(new, tensors),
-        extra_files={"config.json": len(config)},
-    )
+    return _encoded("full", new, results, weight_map, files, extra_files={"config.json": len(config)})
 
 
 def write_delta(
@@ -249,17 +239,15 @@ def write_delta(
         for p in spool_dir.iterdir():
             p.unlink()
         spool_dir.rmdir()
-    tensors = {n: results[n] for n in names}
-    return EncodedSnapshot(
-        kind="delta",
-        weight_map=weight_map,
-        files=files,
-        tensors=tensors,
-        layout=new.layout(),
-        raw_bytes=new.total_bytes,
-        content=_content(new, tensors),
-        checksum_format=fmt,
-    )
+    return _encoded("delta", new, results, weight_map, files, checksum_format=fmt)
+
+
+def _encoded(kind: str, new: Checkpoint, results: dict[str, TensorResult], weight_map: dict[str, str],
+             files: dict[str, int], **extra: object) -> EncodedSnapshot:
+    """What a full or delta snapshot written to a folder holds, tensors in checkpoint order."""
+    tensors = {n: results[n] for n in new.tensors}
+    return EncodedSnapshot(kind=kind, weight_map=weight_map, files=files, tensors=tensors, layout=new.layout(),
+                           raw_bytes=new.total_bytes, content=_content(new, tensors), **extra)
 
 
 def _encode_tensor(
