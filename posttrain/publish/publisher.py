@@ -11,6 +11,9 @@ job when it runs again, with no duplicate, missing or half-written version:
    files already in the store with the same size are not uploaded again;
 4. a ledger entry is written and ``latest`` advanced with a conditional write;
 5. the local snapshot is removed and the spooled checkpoint becomes the base of the next delta.
+
+``Publisher.publish_step`` publishes one step and returns its snapshot, the one published before
+when it is redone; a publisher given ``owns_store=True`` closes its store when it is closed.
 """
 
 from __future__ import annotations
