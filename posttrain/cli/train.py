@@ -75,10 +75,10 @@ def _train(args: argparse.Namespace) -> int:
     from posttrain.cli import UsageError
     from posttrain.cluster import ConfigError, SubmissionError, open_backend
     from posttrain.runs.follow import TrainingFailed, submit_training
-    from posttrain.runs.job import load_training_run, training_job_spec
+    from posttrain.runs.job import load_training_settings, training_job_spec
 
     try:
-        config = load_training_run(args.settings, args.backend, args.dry_run)
+        config = load_training_settings(args.settings, args.backend, args.dry_run)
         if config.cluster.dry_run:
             print(open_backend(config.cluster).render(training_job_spec(config)), end="")
             return 0

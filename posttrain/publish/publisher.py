@@ -11,6 +11,9 @@ job when it runs again, with no duplicate, missing or half-written version:
    files already in the store with the same size are not uploaded again;
 4. a ledger entry is written and ``latest`` advanced with a conditional write;
 5. the local snapshot is removed and the spooled checkpoint becomes the base of the next delta.
+
+``Publisher.publish_step`` publishes one step and returns its snapshot, the one published before
+when it is redone; a publisher given ``owns_store=True`` closes its store when it is closed.
 """
 
 from __future__ import annotations
@@ -72,9 +75,15 @@ class PublishedSnapshot(BaseModel):
 
 
 class Publisher:
+    """Publishes checkpoints of one run to ``store`` (see the module docstring).
+
+    ``owns_store``: ``close()`` (and leaving a ``with Publisher(...)`` block) closes the store too.
+    """
+
     def __init__(self, store: Store, config: PublishConfig,
-                 on_published: Callable[[PublishedSnapshot], None] | None = None):
+                 on_published: Callable[[PublishedSnapshot], None] | None = None, *, owns_store: bool = False):
         self.store = store
+        self.owns_store = owns_store
         self.config = config
         self.ledger = Ledger(store, config.run)
         self.on_published = on_published
@@ -117,6 +126,19 @@ class Publisher:
         else:
             self.resume()
 
+    def publish_step(self, checkpoint: str | Path, step: int) -> PublishedSnapshot:
+        """Publish ``checkpoint`` as ``step`` and wait for it; its snapshot. Redo-safe: when the step
+        was published before (a retried task, a restarted process) that snapshot is returned and
+        nothing is uploaded again. Raises ``PublishError`` when no snapshot of ``step`` exists after."""
+        self.submit(checkpoint, step)
+        self.drain()
+        fresh = [p for p in self.published if p.step == step]
+        done = fresh[-1] if fresh else self.snapshot_for_step(step)
+        if done is None:
+            raise PublishError(f"{checkpoint}: step {step} was not published (no snapshot of it in the ledger "
+                               f"of run {self.config.run})")
+        return done
+
     def snapshot_for_step(self, step: int) -> PublishedSnapshot | None:
         """The newest published snapshot of ``step`` (a retried publish finds it here)."""
         for record in reversed(self.writer.records()):
@@ -151,11 +173,22 @@ class Publisher:
         return list(self.published)
 
     def close(self) -> None:
+        """Stop the background thread once the queue is empty; close the store when it owns it."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        try:
+            if self._thread is not None:
+                self._thread.join()
+        finally:
+            if self.owns_store:
+                self.store.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -1,9 +1,9 @@
 """Submit a training run and follow it: job state, then each complete checkpoint, in step order.
 
-    from posttrain.runs.job import load_training_run
+    from posttrain.runs.job import load_training_settings
     from posttrain.runs.follow import run_and_watch
 
-    config = load_training_run("nightly.yaml", backend="slurm")
+    config = load_training_settings("nightly.yaml", backend="slurm")
     for checkpoint in run_and_watch(config, on_submit=lambda run: print(run.job_id, run.log_path)):
         print(checkpoint.step, checkpoint.path)   # ends when the job is done and every checkpoint was seen
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from posttrain.cluster import Backend, JobFailed, JobHandle, JobSpec, JobState, open_backend
-from posttrain.runs.job import TrainingRunConfig, results_path, training_job_spec
+from posttrain.runs.job import TrainingSettings, read_results, training_job_spec
 from posttrain.runs.watch import SkippedCheckpoint, watch_checkpoints
 from posttrain.trainer.checkpoints import CheckpointInfo
 from posttrain.trainer.config import TrainingResult
@@ -38,9 +38,10 @@ class TrainingFailed(JobFailed):
 
 
 class TrainingRun:
-    """A submitted training job: its handle, where this machine sees its checkpoints, its attempts."""
+    """A training run this process submitted: its settings, the cluster's ``JobSpec`` and ``JobHandle``,
+    where this machine sees its checkpoints, and the results of its attempts."""
 
-    def __init__(self, config: TrainingRunConfig, spec: JobSpec, handle: JobHandle) -> None:
+    def __init__(self, config: TrainingSettings, spec: JobSpec, handle: JobHandle) -> None:
         self.config = config
         self.spec = spec
         self.handle = handle
@@ -69,12 +70,7 @@ class TrainingRun:
         requeued), oldest first; a killed attempt leaves none. Empty when not watchable."""
         if self.watch_dir is None:
             return []
-        path = Path(results_path(self.watch_dir, self.spec.name, self.spec.run_id))
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return []
-        return [TrainingResult.model_validate_json(line) for line in lines if line.strip()]
+        return read_results(self.watch_dir, self.spec.name, self.spec.run_id)
 
     def checkpoints(
         self,
@@ -132,7 +128,7 @@ def _wait(is_done: Callable[[], bool], poll: float) -> Iterator[CheckpointInfo]:
     yield from ()
 
 
-def submit_training(config: TrainingRunConfig, *, backend: Backend | None = None) -> TrainingRun:
+def submit_training(config: TrainingSettings, *, backend: Backend | None = None) -> TrainingRun:
     """Submit the trainer job (``training_job_spec``); with ``cluster.dry_run`` the backend prints
     what it would submit and the run's state is DRY_RUN. Raises the backend's ``ConfigError`` or
     ``SubmissionError``."""
@@ -142,7 +138,7 @@ def submit_training(config: TrainingRunConfig, *, backend: Backend | None = None
 
 
 def run_and_watch(
-    config: TrainingRunConfig,
+    config: TrainingSettings,
     *,
     backend: Backend | None = None,
     on_submit: Callable[[TrainingRun], None] | None = None,

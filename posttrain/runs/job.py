@@ -1,4 +1,5 @@
-"""The trainer as a cluster job: one settings file (``cluster:`` + ``trainer:``) -> a ``JobSpec``.
+"""The trainer as a cluster job: one settings file (``cluster:`` + ``trainer:``) -> ``TrainingSettings``
+-> a ``JobSpec``; and where the job's attempts leave their results (``results_path``, ``read_results``).
 
     name: grpo-nightly
     backend: slurm                    # or k8s / local; `posttrain train --backend` overrides it
@@ -44,7 +45,7 @@ from posttrain.cluster import checks
 from posttrain.cluster.config import CONFIG_TYPES, KubernetesConfig, LocalConfig, SlurmConfig
 from posttrain.cluster.errors import ConfigError
 from posttrain.cluster.spec import NAME_MAX, JobSpec, new_run_id
-from posttrain.trainer.config import TrainerConfig
+from posttrain.trainer.config import TrainerConfig, TrainingResult
 
 TRAINER_FILE = "trainer.yaml"
 RESULTS_DIR = ".posttrain"
@@ -61,8 +62,8 @@ class SettingsError(ConfigError):
         self.field = head if head and " " not in head else "settings"
 
 
-class TrainingRunConfig(BaseModel):
-    """A training run on a backend: where it runs (``cluster``) and what it trains (``trainer``)."""
+class TrainingSettings(BaseModel):
+    """The settings of one training run: where it runs (``cluster``) and what it trains (``trainer``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -106,7 +107,7 @@ class TrainingRunConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _paths_on_shared_storage(self) -> TrainingRunConfig:
+    def _paths_on_shared_storage(self) -> TrainingSettings:
         cluster = self.cluster
         if isinstance(cluster, SlurmConfig):
             roots, where = cluster.shared_roots, "shared storage (under cluster.shared_dir or cluster.mounts)"
@@ -151,7 +152,7 @@ class TrainingRunConfig(BaseModel):
         return None
 
 
-def parse_training_run(doc: dict[str, Any], backend: str | None = None, dry_run: bool = False) -> TrainingRunConfig:
+def parse_training_settings(doc: dict[str, Any], backend: str | None = None, dry_run: bool = False) -> TrainingSettings:
     """Validate a settings mapping. ``backend`` overrides the mapping's ``backend:`` (default local);
     ``dry_run`` sets ``cluster.dry_run``. ``SettingsError`` lists every problem by dotted field name."""
     unknown = sorted(set(doc) - set(SECTIONS))
@@ -166,12 +167,12 @@ def parse_training_run(doc: dict[str, Any], backend: str | None = None, dry_run:
         raise SettingsError("cluster: expected a mapping of backend settings")
     data["cluster"] = {**cluster, "backend": backend, **({"dry_run": True} if dry_run else {})}
     try:
-        return TrainingRunConfig.model_validate(data)
+        return TrainingSettings.model_validate(data)
     except ValidationError as e:
         raise SettingsError(describe_errors(e)) from None
 
 
-def load_training_run(path: str | Path, backend: str | None = None, dry_run: bool = False) -> TrainingRunConfig:
+def load_training_settings(path: str | Path, backend: str | None = None, dry_run: bool = False) -> TrainingSettings:
     """Read and validate a settings YAML file (see the module docstring)."""
     import yaml
 
@@ -181,7 +182,7 @@ def load_training_run(path: str | Path, backend: str | None = None, dry_run: boo
         raise SettingsError(f"{path}: {e}") from None
     if not isinstance(doc, dict):
         raise SettingsError(f"{path}: expected a mapping with cluster: and trainer: sections")
-    return parse_training_run(doc, backend, dry_run)
+    return parse_training_settings(doc, backend, dry_run)
 
 
 def describe_errors(error: ValidationError) -> str:
@@ -209,7 +210,19 @@ def results_path(output_dir: str | Path, name: str, run_id: str) -> str:
     return f"{str(output_dir).rstrip('/')}/{RESULTS_DIR}/{name}-{run_id}.results.jsonl"
 
 
-def training_job_spec(config: TrainingRunConfig) -> JobSpec:
+def read_results(output_dir: str | Path, name: str, run_id: str) -> list[TrainingResult]:
+    """The TrainingResult of every attempt of run ``name``/``run_id`` that ended on its own (completed
+    or stopped to be requeued), oldest first, read from ``output_dir`` as this machine sees it; a
+    killed attempt leaves none. Empty when the results file does not exist (yet)."""
+    path = Path(results_path(output_dir, name, run_id))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    return [TrainingResult.model_validate_json(line) for line in lines if line.strip()]
+
+
+def training_job_spec(config: TrainingSettings) -> JobSpec:
     """The ``JobSpec`` that runs the trainer: ``python -m posttrain.trainer {job_dir}/trainer.yaml``."""
     run_id = config.run_id or new_run_id()
     output_dir = str(config.trainer.output_dir)

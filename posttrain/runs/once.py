@@ -1,30 +1,41 @@
-"""Submit a training run at most once per marker file, and tell later whether it completed.
+"""Submit a training run at most once per marker file, and follow it again after a restart.
 
 A pipeline that is retried (a Prefect flow run, a re-run script) calls ``submit_once`` with the
-same marker: the first call submits and records the job; later calls return that record instead
-of submitting again. Whether the job ended is read from its handle when this process submitted
-it, else from the trainer's results file, else from the scheduler. No Prefect here.
+same marker: the first call submits and records the job (a ``JobRecord``); later calls return
+that record instead of submitting again. From the record, whichever process holds it can:
+
+- ``handled_before``: the checkpoints an earlier attempt already handled (at or before the cursor);
+- ``checkpoints_to_handle``: the complete checkpoints still to handle, in step order, until the job ended;
+- ``wait_for_result``: wait for the job to end, then the result of the attempt that completed.
+
+Whether the job ended is read from its handle when this process submitted it, else from the
+trainer's results file, else from the scheduler. No Prefect here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.cluster import Backend, JobState
+from posttrain.cluster import ClusterConfig, JobHandle, JobState, open_backend
 from posttrain.cluster.spec import NAME_MAX
+from posttrain.fsutil import atomic_write
 from posttrain.runs.follow import TrainingRun, submit_training
-from posttrain.runs.job import TrainingRunConfig, results_path
+from posttrain.runs.job import TrainingSettings, read_results
+from posttrain.runs.watch import load_cursor, watch_checkpoints
+from posttrain.trainer.checkpoints import CheckpointInfo, complete_checkpoints
 from posttrain.trainer.config import TrainingResult
 
 # Runs submitted by this process, by job id: their handles follow them best.
 _RUNS: dict[str, TrainingRun] = {}
 
 
-class SubmittedJob(BaseModel):
-    """What a marker file records about a submitted training job."""
+class JobRecord(BaseModel):
+    """What a marker file records about a submitted training job, enough to find it again."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,51 +55,100 @@ def job_name(name: str) -> str:
     return f"{name[: NAME_MAX - 9].rstrip('-')}-{digest}"
 
 
-def submit_once(config: TrainingRunConfig, marker: Path) -> tuple[SubmittedJob, bool]:
-    """The job recorded in ``marker``, or a new submission recorded there; True when new."""
+def submit_once(config: TrainingSettings, marker: Path) -> tuple[JobRecord, bool]:
+    """The job recorded in ``marker``, or a new submission recorded there (durably); True when new."""
     if marker.exists():
-        return SubmittedJob.model_validate_json(marker.read_text()), False
+        return JobRecord.model_validate_json(marker.read_text()), False
     run = submit_training(config)
     _RUNS[run.job_id] = run
-    job = SubmittedJob(job_id=run.job_id, run_id=run.spec.run_id, name=run.spec.name, backend=config.backend,
+    record = JobRecord(job_id=run.job_id, run_id=run.spec.run_id, name=run.spec.name, backend=config.backend,
                        log_path=run.log_path, output_dir=str(config.trainer.output_dir))
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f".{marker.name}.tmp")
-    tmp.write_text(job.model_dump_json(indent=2))
-    tmp.replace(marker)
-    return job, True
+    atomic_write(marker, record.model_dump_json(indent=2))
+    return record, True
 
 
-def submitted_run(job: SubmittedJob) -> TrainingRun | None:
+def live_run(record: JobRecord) -> TrainingRun | None:
     """The run, when this process submitted it (None after a restart)."""
-    return _RUNS.get(job.job_id)
+    return _RUNS.get(record.job_id)
 
 
-def results(job: SubmittedJob) -> list[TrainingResult]:
+def results(record: JobRecord) -> list[TrainingResult]:
     """The trainer's result of every attempt that ended on its own, oldest first."""
-    path = Path(results_path(job.output_dir, job.name, job.run_id))
-    if not path.exists():
-        return []
-    return [TrainingResult.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_results(record.output_dir, record.name, record.run_id)
 
 
-def job_ended(job: SubmittedJob, backend: Backend) -> bool:
-    """Whether the job ended. A local job of an earlier process that left no result counts as
-    ended: only its checkpoints remain to be drained."""
-    run = submitted_run(job)
+def ended_check(record: JobRecord, cluster: ClusterConfig | None) -> Callable[[], bool]:
+    """A callable telling whether the job ended. A job of an earlier process counts as ended once
+    it left a completed result; a local or Kubernetes one of an earlier process counts as ended
+    at once (only its checkpoints remain to be drained); a Slurm one is asked of the scheduler
+    (``cluster`` opens the backend that attaches to it)."""
+    run = live_run(record)
     if run is not None:
-        return run.state().terminal
-    if any(r.completed for r in results(job)) or job.backend != "slurm":
-        return True
-    return backend.attach(job.job_id, str(Path(job.log_path or ".").parent)).state().terminal
+        return lambda: run.state().terminal
+    handle: list[JobHandle] = []
+
+    def ended() -> bool:
+        if record.backend != "slurm" or any(r.completed for r in results(record)):
+            return True
+        if not handle:
+            if cluster is None:
+                raise ValueError(f"job {record.job_id}: the Slurm cluster settings are needed to follow it")
+            log_dir = str(Path(record.log_path or ".").parent)
+            handle.append(open_backend(cluster).attach(record.job_id, log_dir))  # type: ignore[attr-defined]
+        return handle[0].state().terminal
+
+    return ended
 
 
-def completed_result(job: SubmittedJob) -> TrainingResult:
+def job_ended(record: JobRecord, cluster: ClusterConfig | None = None) -> bool:
+    """Whether the job ended (see ``ended_check``)."""
+    return ended_check(record, cluster)()
+
+
+def handled_before(record: JobRecord, cursor_path: str | Path) -> list[CheckpointInfo]:
+    """Checkpoints an earlier attempt handled: the complete ones at or before the watch cursor
+    (the cursor moves past a checkpoint only once it was handled), less those it skipped."""
+    output_dir = Path(record.output_dir)
+    if not Path(cursor_path).exists():
+        return []
+    cursor = load_cursor(cursor_path, output_dir)
+    if cursor.last_step is None:
+        return []
+    return [c for c in complete_checkpoints(output_dir) if c.step <= cursor.last_step and c.step not in cursor.skipped]
+
+
+def checkpoints_to_handle(
+    record: JobRecord, cluster: ClusterConfig | None, *, cursor_path: str | Path, poll_interval: float
+) -> Iterator[CheckpointInfo]:
+    """Each complete checkpoint after the cursor, once, in step order, until the job ended and all
+    were handed out: through the job's handle when this process submitted it (raising
+    ``TrainingFailed`` when the job did not complete), else by watching the output folder."""
+    run = live_run(record)
+    if run is not None:
+        yield from run.checkpoints(cursor_path=cursor_path, poll_interval=poll_interval)
+        return
+    yield from watch_checkpoints(Path(record.output_dir), cursor_path=cursor_path,
+                                 is_job_done=ended_check(record, cluster), poll_interval=poll_interval)
+
+
+def completed_result(record: JobRecord) -> TrainingResult:
     """The result of the attempt that completed; raises with the reason when the job did not."""
-    run = submitted_run(job)
+    run = live_run(record)
     if run is not None and run.state() != JobState.COMPLETED:
-        raise RuntimeError(f"training job {job.job_id} ended {run.state().value}: {run.failure_reason()}")
-    done = [r for r in results(job) if r.completed]
+        raise RuntimeError(f"training job {record.job_id} ended {run.state().value}: {run.failure_reason()}")
+    done = [r for r in results(record) if r.completed]
     if not done:
-        raise RuntimeError(f"training job {job.job_id} left no completed result in {job.output_dir}")
+        raise RuntimeError(f"training job {record.job_id} left no completed result in {record.output_dir}")
     return done[-1]
+
+
+def wait_for_result(
+    record: JobRecord, cluster: ClusterConfig, *, sleep: Callable[[float], None] = time.sleep
+) -> TrainingResult:
+    """Wait for the job to end, whether this process submitted it or an earlier one did, checking
+    every ``cluster.poll_interval_s``; then the result of the attempt that completed (raises
+    ``RuntimeError`` with the reason when none did)."""
+    ended = ended_check(record, cluster)
+    while not ended():
+        sleep(cluster.poll_interval_s)
+    return completed_result(record)

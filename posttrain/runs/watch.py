@@ -22,9 +22,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from posttrain.fsutil import atomic_write
 from posttrain.trainer.checkpoints import CheckpointInfo, checkpoint_dirs, try_inspect
 
 log = logging.getLogger(__name__)
+
 
 class SkippedCheckpoint(BaseModel):
     """A checkpoint that will not be yielded: deleted, or still incomplete when a later one was complete."""
@@ -132,10 +134,4 @@ def _next_ready(pending: dict[int, Path]) -> tuple[CheckpointInfo, list[int]] | 
 
 def _save_cursor(cursor_path: Path, cursor: WatchCursor) -> None:
     cursor.updated = datetime.now(UTC)
-    cursor_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cursor_path.with_name(f".{cursor_path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(cursor.model_dump_json(indent=2).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, cursor_path)
+    atomic_write(cursor_path, cursor.model_dump_json(indent=2) + "\n")

@@ -111,15 +111,31 @@ class TinySetup:
 
     def served_identity(self) -> str | None:
         """The snapshot the inference server serves, from its /health endpoint."""
-        request = urllib.request.Request(f"{self.server.url}/health",  # type: ignore[attr-defined]
-                                         headers={"Authorization": f"Bearer {self.token}"})
+        return self._call("GET", "/health")["snapshotIdentity"]
+
+    def add_faults(self, *faults: dict) -> list[dict]:
+        """Arm faults on the reference server (``posttrain.serve.faults``); returns those pending."""
+        return self._call("POST", "/_test/faults", {"faults": list(faults)})["pending"]
+
+    def pending_faults(self) -> list[dict]:
+        return self._call("GET", "/_test/stats")["pending"]
+
+    def clear_faults(self) -> None:
+        self._call("DELETE", "/_test/faults")
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.server.url}{path}", data=data, method=method,  # type: ignore[attr-defined]
+                                         headers={"Authorization": f"Bearer {self.token}",
+                                                  "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=10) as r:
-            return json.loads(r.read())["snapshotIdentity"]
+            return json.loads(r.read())
 
 
 @pytest.fixture(scope="session")
 def tiny_setup(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySetup]:
-    """A tiny model, toy prompts, a folder store, the reference server on a free port, and the
+    """A tiny model, toy prompts, a folder store, the reference server on a free port (with its fault
+    routes, which a test arms through ``add_faults``), and the
     default blocks (``save_default_blocks``) pointing at them; the local cluster keeps its job
     folders under the temporary folder."""
     from posttrain.cluster import LocalConfig
@@ -138,7 +154,7 @@ def tiny_setup(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> It
     token = secrets.token_urlsafe(16)
     server = InferenceServer(ServeConfig(model_dir=base, served_model_name=MODEL_NAME, port=0,
                                          deployment_id=DEPLOYMENT_ID, store=str(store), token=token,
-                                         work_dir=root / "inference", device="cpu"))
+                                         work_dir=root / "inference", device="cpu", test_hooks=True))
     server.start()
     try:
         save_default_blocks(store_dir=store, server_url=server.url, deployment_id=DEPLOYMENT_ID, model=MODEL_NAME,

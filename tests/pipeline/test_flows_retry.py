@@ -1,5 +1,9 @@
 """A nightly deployment run that fails after training and publishing, retried the way the UI does
-(``prefect flow-run retry``): it completes without training again or uploading again."""
+(``prefect flow-run retry``): it completes without training again or uploading again.
+
+The failure is a real one: the reference inference server is asked (its fault route) to fail the
+first incremental hot-load, which is the last checkpoint's, and the run's inference block does not
+fall back to a full snapshot, so the hot-load task fails without a retry and the flow run with it."""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from datetime import UTC, datetime
 
 import pytest
 
+from posttrain.inference.protocol import TYPE_INCREMENTAL
 from posttrain.publish.ledger import Ledger
 from posttrain.storage import open_store
-from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.conftest import DEPLOYMENT_ID, MODEL_NAME, NIGHTLY
 from tests.pipeline.runs import (
     flow_run_logs,
     prefect_cli,
@@ -25,12 +30,31 @@ from tests.pipeline.runs import (
 pytestmark = pytest.mark.slow
 
 RUN = "flows-retry"
-FAULT_ENV = {"POSTTRAIN_INJECT_FAULT": "after_publish", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+NO_FALLBACK = "posttrain-inference-deployment/flows-retry"  # the server's deployment, without fallback to full
+FAULT_REASON = "injected: the last hot-load of the run fails"
 
 
 def instance(flow_run_id: str) -> str:
     """The run name a flow run works under: the settings' name plus its flow run's id."""
     return f"{RUN}-{flow_run_id.replace('-', '')[:8]}"
+
+
+@pytest.fixture
+def failing_last_hot_load(tiny_setup):
+    """The inference block NO_FALLBACK, and the server armed to fail the next incremental hot-load once."""
+    from posttrain.pipeline.blocks import InferenceDeployment
+
+    InferenceDeployment(api_url=tiny_setup.server.url, gateway_url=tiny_setup.server.url,
+                        deployment_id=DEPLOYMENT_ID, model=MODEL_NAME, token=tiny_setup.token, timeout_s=300,
+                        poll_interval_s=0.2, fallback_to_full=False).save(NO_FALLBACK.split("/")[1], overwrite=True)
+    pending = tiny_setup.add_faults({"kind": "fail_hotload", "snapshot_type": TYPE_INCREMENTAL,
+                                     "reason": FAULT_REASON})
+    assert [f["kind"] for f in pending] == ["fail_hotload"]
+    try:
+        yield NO_FALLBACK
+    finally:
+        tiny_setup.clear_faults()
 
 
 def _ledger(setup, name: str) -> list:
@@ -49,20 +73,23 @@ def _store_files(setup, entries) -> dict[str, int]:
 
 
 @pytest.mark.timeout(360)
-def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploading(process_worker, tiny_setup):
-    # 1. The run fails once, after training, publishing and hot-loading every checkpoint.
-    proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings(RUN), env=FAULT_ENV)
+def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploading(process_worker, tiny_setup,
+                                                                                     failing_last_hot_load):
+    # 1. The run fails once, after training and publishing every checkpoint: the server fails the
+    #    hot-load of the last one (the first delta; the first checkpoint is a full snapshot).
+    settings = tiny_setup.settings(RUN, inference=failing_last_hot_load)
+    proc, flow_run_id = run_deployment(NIGHTLY, settings, env=ENV)
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
     name = instance(flow_run_id)
     run_dir = tiny_setup.shared_dir / "runs" / name
     first = wait_final(flow_run_id)
     assert first.state.is_failed(), f"{first.state_name}: {first.state.message}\n{process_worker.tail()}"
-    assert "injected fault at after_publish" in (first.state.message or "")
-    assert (run_dir / ".fault-after_publish").exists()
+    assert FAULT_REASON in (first.state.message or ""), first.state.message
+    assert tiny_setup.pending_faults() == []  # the fault fired, once
     job = json.loads((run_dir / "training-job.json").read_text())
     entries = _ledger(tiny_setup, name)
-    assert [e.step for e in entries] == [1, 2]  # published before the fault
-    assert tiny_setup.served_identity() == entries[-1].identity
+    assert [(e.step, e.kind) for e in entries] == [(1, "full"), (2, "delta")]  # published before the fault
+    assert tiny_setup.served_identity() == entries[0].identity  # the failed delta left step 1 serving
     files = _store_files(tiny_setup, entries)
     published_at = {e.identity: e.published_at for e in entries}
 
@@ -106,5 +133,7 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     assert any(f"nightly run {name}: 2 checkpoints published, final step 2" in m for m in logs), logs
     names = [t.name for t in task_runs(flow_run_id)]
     assert names.count(f"submit-{name}") == 2  # one per attempt; the second found the marker
-    assert names.count("publish-step-2") == 2
-    assert sum(n.startswith("hot-load-") for n in names) == 2  # only the first attempt hot-loaded
+    assert names.count("publish-step-1") == 2 and names.count("publish-step-2") == 2
+    # step 1 was hot-loaded by the first attempt only; step 2 failed there and loaded on the retry
+    hot_loads = [n for n in names if n.startswith("hot-load-")]
+    assert sorted(hot_loads) == sorted([f"hot-load-{entries[0].identity}"] + [f"hot-load-{entries[1].identity}"] * 2)

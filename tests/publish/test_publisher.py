@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from posttrain.chain.fetch import reconstruct_from_store
@@ -19,20 +18,7 @@ from posttrain.publish import PublishConfig, Publisher
 from posttrain.publish.ledger import Ledger
 from posttrain.publish.publisher import published_steps
 from posttrain.storage import LocalStore, S3Store
-from tests.support.tensors import load_bytes, perturb, random_tensor, save_torch_checkpoint
-
-
-@pytest.fixture
-def run_checkpoints(tmp_path):
-    """Six checkpoints of a training run, a few bytes of each tensor changing per step."""
-    rng = np.random.default_rng(5)
-    state = {f"layer.{i}.weight": random_tensor(rng, "BF16", (256, 128)) for i in range(6)}
-    state["norm"] = random_tensor(rng, "F32", (128,))
-    out = []
-    for step in range(1, 7):
-        state = {n: perturb(rng, t, 0.02) for n, t in state.items()}
-        out.append(save_torch_checkpoint(tmp_path / "output" / f"checkpoint-{step}", state, shards=2))
-    return out
+from tests.support.tensors import load_bytes
 
 
 def check_store(store, checkpoints, tmp_path, run: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from posttrain.cli import main
-from posttrain.runs.job import SettingsError, parse_training_run, training_job_spec
+from posttrain.runs.job import SettingsError, parse_training_settings, training_job_spec
 from posttrain.trainer.config import TrainerConfig
 
 SLURM = {"shared_dir": "/mnt/shared", "image": "ghcr.io/example/posttrain:1.0", "nodes": 2,
@@ -89,7 +89,7 @@ def test_errors_name_the_field(tmp_path, capsys, no_contact, backend, change, na
 
 def test_spec_runs_the_trainer_with_the_configured_python() -> None:
     trainer = _trainer("/mnt/shared")
-    slurm = parse_training_run({"name": "a", "run_id": "r1", "cluster": SLURM, "trainer": trainer}, "slurm")
+    slurm = parse_training_settings({"name": "a", "run_id": "r1", "cluster": SLURM, "trainer": trainer}, "slurm")
     spec = training_job_spec(slurm)
     assert spec.command == [
         "/opt/venv/bin/python", "-m", "posttrain.trainer", "{job_dir}/trainer.yaml",
@@ -99,11 +99,11 @@ def test_spec_runs_the_trainer_with_the_configured_python() -> None:
     assert TrainerConfig.model_validate(yaml.safe_load(spec.files["trainer.yaml"])) == slurm.trainer
     assert slurm.local_output_dir == Path("/mnt/shared/runs/nightly")
 
-    local = parse_training_run({"cluster": {"folder": "/tmp/jobs"}, "trainer": trainer})
+    local = parse_training_settings({"cluster": {"folder": "/tmp/jobs"}, "trainer": trainer})
     assert training_job_spec(local).command[0] == sys.executable and local.backend == "local"
-    k8s = parse_training_run({"cluster": K8S, "trainer": _trainer("/data"), "python": "python3"}, "k8s")
+    k8s = parse_training_settings({"cluster": K8S, "trainer": _trainer("/data"), "python": "python3"}, "k8s")
     assert training_job_spec(k8s).command[0] == "python3" and k8s.local_output_dir is None
-    ssh = parse_training_run({"cluster": {**SLURM, "ssh_host": "login"}, "trainer": trainer}, "slurm")
+    ssh = parse_training_settings({"cluster": {**SLURM, "ssh_host": "login"}, "trainer": trainer}, "slurm")
     assert ssh.local_output_dir is None
     with pytest.raises(SettingsError, match="^backend: 'nomad'"):
-        parse_training_run({"cluster": {}, "trainer": trainer}, "nomad")
+        parse_training_settings({"cluster": {}, "trainer": trainer}, "nomad")

@@ -17,7 +17,7 @@ import yaml
 from posttrain.cli import main
 from posttrain.cluster import JobState
 from posttrain.runs.follow import TrainingFailed, TrainingRun, run_and_watch
-from posttrain.runs.job import parse_training_run
+from posttrain.runs.job import parse_training_settings
 from posttrain.trainer.checkpoints import complete_checkpoints, last_complete_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def _scontrol_show(job_id: str) -> str:
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("slurm_cluster")
 def test_slurm_trains_and_hands_out_checkpoints_in_order(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
-    config = parse_training_run(_settings(shared, "slurm-run", "slurm"))
+    config = parse_training_settings(_settings(shared, "slurm-run", "slurm"))
     runs: list[TrainingRun] = []
     states: list[JobState] = []
 
@@ -124,7 +124,7 @@ def test_slurm_requeue_resumes_from_the_last_checkpoint(shared: Path, slurm_jobs
     exits 75, or is killed after KillWait), Slurm holds the job ~120 s (released here to now+3,
     never `now`), and the next attempt resumes from the last complete checkpoint."""
     out = shared / "slurm-requeue"
-    config = parse_training_run(_settings(shared, out.name, "slurm", slow=True, max_steps=8, save_steps=2))
+    config = parse_training_settings(_settings(shared, out.name, "slurm", slow=True, max_steps=8, save_steps=2))
     runs: list[TrainingRun] = []
     seen: list[int] = []
     before: dict[str, int] = {}
@@ -183,7 +183,7 @@ def test_local_backend_runs_the_same_trainer_through_the_cli(shared: Path, tmp_p
 def test_a_failing_trainer_raises_with_the_reason_and_the_log(shared: Path, tmp_path: Path) -> None:
     doc = _settings(shared, "local-bad", "local")
     doc["trainer"]["dataset_manifest"] = str(shared / "missing" / "manifest.json")
-    config = parse_training_run(doc)
+    config = parse_training_settings(doc)
     with pytest.raises(TrainingFailed) as failed:
         for _ in run_and_watch(config, cursor_path=tmp_path / "cursor.json", poll_interval=0.3):
             pass
@@ -195,7 +195,7 @@ def test_a_failing_trainer_raises_with_the_reason_and_the_log(shared: Path, tmp_
 @pytest.mark.timeout(120)
 def test_leaving_the_watch_early_cancels_the_job(shared: Path, tmp_path: Path) -> None:
     """What Ctrl-C in `posttrain train` does: the iterator owns the job and cancels it when left."""
-    config = parse_training_run(_settings(shared, "local-cancel", "local", slow=True, max_steps=50))
+    config = parse_training_settings(_settings(shared, "local-cancel", "local", slow=True, max_steps=50))
     runs: list[TrainingRun] = []
     watch = run_and_watch(config, on_submit=runs.append, cursor_path=tmp_path / "cursor.json", poll_interval=0.3)
     assert next(watch).step == 1

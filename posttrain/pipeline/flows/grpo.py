@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from posttrain.datasets.staging import read_staged_rows
+from posttrain.fsutil import atomic_write
 from posttrain.pipeline.settings import GrpoSettings, trainer_config
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import reward_curve, round_table
@@ -70,8 +71,6 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     if settings.inference:
         hot_load(final, settings)
     svg = reward_curve(settings.run_name, [row["reward mean"] for row in table], [row["reward std"] for row in table])
-    curve = run_dir / "reward-curve.svg"
-    curve.parent.mkdir(parents=True, exist_ok=True)
-    curve.write_text(svg)
+    curve = atomic_write(run_dir / "reward-curve.svg", svg)
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
                       final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir))

@@ -1,9 +1,9 @@
-"""The nightly post-training flow: stage → train → watch checkpoints → publish and hot-load each."""
+"""The nightly post-training flow: stage → train → watch checkpoints → publish and hot-load each.
+
+A retried flow run finds its training job (the submit marker) and its place (the watch cursor):
+what an earlier attempt handled is reported again without hot-loading it again."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
@@ -14,33 +14,8 @@ from posttrain.pipeline.settings import NightlySettings, trainer_config
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import artifact_key
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import job_ended, submit
-from posttrain.runs.once import completed_result, submitted_run
-from posttrain.runs.watch import load_cursor, watch_checkpoints
-from posttrain.trainer.checkpoints import CheckpointInfo, complete_checkpoints
-
-FAULT_ENV = "POSTTRAIN_INJECT_FAULT"  # test hook: "after_publish" fails the run once, after publishing
-
-
-def inject_fault(point: str, run_dir: Path) -> None:
-    """Fail once at ``point`` when the test hook asks for it (a marker file makes it once)."""
-    marker = run_dir / f".fault-{point}"
-    if os.environ.get(FAULT_ENV) == point and not marker.exists():
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-        raise RuntimeError(f"injected fault at {point} ({FAULT_ENV})")
-
-
-def handled_before(output_dir: Path, cursor_path: Path) -> list[CheckpointInfo]:
-    """Checkpoints an earlier attempt of this run published and hot-loaded: the complete ones at or
-    before the watch cursor (the cursor moves past a checkpoint only once it was handled)."""
-    if not cursor_path.exists():
-        return []
-    cursor = load_cursor(cursor_path, output_dir)
-    if cursor.last_step is None:
-        return []
-    return [c for c in complete_checkpoints(output_dir)
-            if c.step <= cursor.last_step and c.step not in cursor.skipped]
+from posttrain.pipeline.tasks.training import submit, watch_job
+from posttrain.runs.once import completed_result, handled_before
 
 
 def snapshot_row(step: int, snapshot) -> dict:
@@ -78,18 +53,11 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     cursor_path = run_dir / "watch-cursor.json"
     # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
     # again finds it published (uploads nothing); it is not hot-loaded again.
-    for ckpt in handled_before(Path(job.output_dir), cursor_path):
+    for ckpt in handled_before(job, cursor_path):
         snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
         rows.append(snapshot_row(ckpt.step, snapshot)
                     | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
-    run = submitted_run(job)
-    if run is not None:
-        checkpoints = run.checkpoints(cursor_path=cursor_path, poll_interval=settings.watch_poll_s)
-    else:  # a retry: the job was submitted by an earlier attempt
-        checkpoints = watch_checkpoints(Path(job.output_dir), cursor_path=cursor_path,
-                                        is_job_done=lambda: job_ended(job, settings.cluster),
-                                        poll_interval=settings.watch_poll_s)
-    for ckpt in checkpoints:
+    for ckpt in watch_job(job, settings.cluster, cursor_path, settings.watch_poll_s):
         snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
         row = snapshot_row(ckpt.step, snapshot)
         if settings.inference:
@@ -102,7 +70,6 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     update_progress_artifact(progress, 100.0)
     create_table_artifact(rows, key=artifact_key(settings.run_name, "nightly-snapshots"),
                           description="Checkpoints of the nightly run: snapshot, size, publish and hot-load times")
-    inject_fault("after_publish", run_dir)
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
                 result.global_step)
     return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,

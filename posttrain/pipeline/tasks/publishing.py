@@ -1,4 +1,4 @@
-"""Tasks that publish checkpoints and hot-load them."""
+"""Tasks that publish checkpoints (``Publisher.publish_step``) and hot-load them (the deployment block's loader)."""
 
 from __future__ import annotations
 
@@ -16,28 +16,25 @@ from posttrain.publish import PublishConfig, PublishedSnapshot, Publisher
 
 
 def open_publisher(run: RunSettings) -> Publisher:
+    """A synchronous publisher of the run's chain into the run's store block; closing it closes the store."""
     store = load_block(run.store, "store").open()
     p = run.publish
     config = PublishConfig(run=run.run_name, work_dir=run.run_dir / "publish", flavor=p.flavor,
                            policy=ChainPolicy(max_deltas=p.max_deltas, delta_budget=p.delta_budget),
                            max_shard_size=p.max_shard_size, retention=p.retention, async_publish=False)
-    return Publisher(store, config)
+    try:
+        return Publisher(store, config, owns_store=True)
+    except BaseException:
+        store.close()
+        raise
 
 
 @task(name="publish-checkpoint", retries=3, retry_delay_seconds=exponential_backoff(2),
       retry_condition_fn=transient_only, task_run_name="publish-step-{step}")
 def publish_checkpoint(checkpoint: str, step: int, run: RunSettings) -> PublishedSnapshot:
     """Encode and upload one checkpoint; a retry finds what was published and uploads nothing."""
-    publisher = open_publisher(run)
-    try:
-        publisher.submit(Path(checkpoint), step)
-        fresh = [p for p in publisher.published if p.step == step]
-        done = fresh[-1] if fresh else publisher.snapshot_for_step(step)
-    finally:
-        publisher.close()
-        publisher.store.close()
-    if done is None:
-        raise RuntimeError(f"step {step} of {checkpoint} was not published")
+    with open_publisher(run) as publisher:
+        done = publisher.publish_step(Path(checkpoint), step)
     get_run_logger().info("published %s %s (step %d): %d bytes, uploaded %d", done.kind, done.identity, step,
                           done.stored_bytes, done.uploaded_bytes)
     return done
@@ -50,12 +47,8 @@ def hot_load(snapshot: PublishedSnapshot, run: RunSettings) -> HotLoadResult:
     deployment = load_block(run.inference, "inference")
 
     def publish_full() -> str:
-        publisher = open_publisher(run)
-        try:
+        with open_publisher(run) as publisher:
             return publisher.publish_full().identity
-        finally:
-            publisher.close()
-            publisher.store.close()
 
     base = snapshot.base if snapshot.kind == "delta" else None
     with deployment.hot_loader(publish_full=publish_full) as loader:

@@ -1,33 +1,37 @@
 """Tasks that run the trainer on the cluster: the nightly GRPO run, and the GRPO step of a round.
 
 A marker file in the run folder records the submission (``posttrain.runs.once``), so a
-retried flow run finds its job instead of submitting another.
+retried flow run finds its job instead of submitting another. Following the job, before or
+after a restart, is the engine's (``posttrain.runs.once``); here the cluster block is loaded.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
+from posttrain.cluster import ClusterConfig
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.report import log_links
-from posttrain.runs.job import TrainingRunConfig
-from posttrain.runs.once import SubmittedJob, completed_result, job_name, submit_once, submitted_run
+from posttrain.runs.job import TrainingSettings
+from posttrain.runs.once import JobRecord, checkpoints_to_handle, job_name, submit_once, wait_for_result
+from posttrain.trainer.checkpoints import CheckpointInfo
 from posttrain.trainer.config import TrainerConfig
 
 
-def training_run_config(cluster_ref: str, name: str, trainer: TrainerConfig) -> TrainingRunConfig:
-    cluster = load_block(cluster_ref, "cluster").settings
-    return TrainingRunConfig(name=job_name(name), cluster=cluster, trainer=trainer)
+def cluster_settings(cluster_ref: str) -> ClusterConfig:
+    """The settings of the cluster block ``cluster_ref``."""
+    return load_block(cluster_ref, "cluster").settings
 
 
 @task(name="submit-training", task_run_name="submit-{name}")
-def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str) -> SubmittedJob:
+def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str) -> JobRecord:
     """Submit the trainer once: a marker left by an earlier attempt returns that job instead."""
     logger = get_run_logger()
-    job, new = submit_once(training_run_config(cluster_ref, name, trainer), Path(marker))
+    settings = TrainingSettings(name=job_name(name), cluster=cluster_settings(cluster_ref), trainer=trainer)
+    job, new = submit_once(settings, Path(marker))
     if not new:
         logger.info("training job %s was submitted before (%s); not submitting again", job.job_id, marker)
         return job
@@ -36,24 +40,17 @@ def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str) -> 
     return job
 
 
-def job_ended(job: SubmittedJob, cluster_ref: str) -> bool:
-    from posttrain.runs.once import job_ended as ended
-
-    return ended(job, load_block(cluster_ref, "cluster").backend())
+def watch_job(job: JobRecord, cluster_ref: str, cursor_path: Path, poll_interval: float) -> Iterator[CheckpointInfo]:
+    """The checkpoints of ``job`` still to handle, in step order (not a task: the flow iterates it)."""
+    return checkpoints_to_handle(job, cluster_settings(cluster_ref), cursor_path=cursor_path,
+                                 poll_interval=poll_interval)
 
 
 @task(name="train-step", task_run_name="train-step-round-{round}")
 def train_step(cluster_ref: str, run_name: str, round: int, trainer: TrainerConfig, marker: str) -> str:
     """One GRPO step on the round's rollouts, on the cluster; returns the new checkpoint folder."""
     job = submit.fn(cluster_ref, f"{run_name}-step", trainer, marker)
-    run = submitted_run(job)
-    if run is not None:
-        for _ in run.checkpoints(cursor_path=Path(marker).with_suffix(".cursor.json")):
-            pass
-    else:  # a retried flow run: the job of an earlier attempt may still be running
-        while not job_ended(job, cluster_ref):
-            time.sleep(2.0)
-    result = completed_result(job)
+    result = wait_for_result(job, cluster_settings(cluster_ref))
     if result.checkpoint is None:
         raise RuntimeError(f"training step of round {round} saved no checkpoint ({job.output_dir})")
     get_run_logger().info("round %d: policy version %s at %s", round, result.policy_version, result.checkpoint)
