@@ -44,7 +44,17 @@ class JobRecord(BaseModel):
     name: str = Field(description="Job name.")
     backend: str = Field(description="slurm, k8s or local.")
     log_path: str | None = Field(description="Where the job's log is.")
-    output_dir: str = Field(description="The trainer's output folder.")
+    output_dir: str = Field(description="The trainer's output folder, as the cluster sees it.")
+    watch_dir: str | None = Field(
+        None, description="Where this machine reads that folder (checkpoints, results); None when it cannot."
+    )
+
+    def local_dir(self) -> Path:
+        """The output folder as this machine sees it; a ValueError when it cannot see it."""
+        if self.watch_dir is None:
+            raise ValueError(f"job {self.job_id}: its output folder {self.output_dir} is not visible here; "
+                             "set watch_dir to where this machine mounts it")
+        return Path(self.watch_dir)
 
 
 def job_name(name: str) -> str:
@@ -62,7 +72,8 @@ def submit_once(config: TrainingSettings, marker: Path) -> tuple[JobRecord, bool
     run = submit_training(config)
     _RUNS[run.job_id] = run
     record = JobRecord(job_id=run.job_id, run_id=run.spec.run_id, name=run.spec.name, backend=config.backend,
-                       log_path=run.log_path, output_dir=str(config.trainer.output_dir))
+                       log_path=run.log_path, output_dir=str(config.trainer.output_dir),
+                       watch_dir=None if run.watch_dir is None else str(run.watch_dir))
     atomic_write(marker, record.model_dump_json(indent=2))
     return record, True
 
@@ -74,7 +85,7 @@ def live_run(record: JobRecord) -> TrainingRun | None:
 
 def results(record: JobRecord) -> list[TrainingResult]:
     """The trainer's result of every attempt that ended on its own, oldest first."""
-    return read_results(record.output_dir, record.name, record.run_id)
+    return read_results(record.local_dir(), record.name, record.run_id)
 
 
 def ended_check(record: JobRecord, cluster: ClusterConfig | None) -> Callable[[], bool]:
@@ -108,9 +119,9 @@ def job_ended(record: JobRecord, cluster: ClusterConfig | None = None) -> bool:
 def handled_before(record: JobRecord, cursor_path: str | Path) -> list[CheckpointInfo]:
     """Checkpoints an earlier attempt handled: the complete ones at or before the watch cursor
     (the cursor moves past a checkpoint only once it was handled), less those it skipped."""
-    output_dir = Path(record.output_dir)
     if not Path(cursor_path).exists():
         return []
+    output_dir = record.local_dir()
     cursor = load_cursor(cursor_path, output_dir)
     if cursor.last_step is None:
         return []
@@ -127,7 +138,7 @@ def checkpoints_to_handle(
     if run is not None:
         yield from run.checkpoints(cursor_path=cursor_path, poll_interval=poll_interval)
         return
-    yield from watch_checkpoints(Path(record.output_dir), cursor_path=cursor_path,
+    yield from watch_checkpoints(record.local_dir(), cursor_path=cursor_path,
                                  is_job_done=ended_check(record, cluster), poll_interval=poll_interval)
 
 

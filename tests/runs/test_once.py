@@ -28,11 +28,12 @@ def slurm(**fields) -> SlurmConfig:
 def record(tmp_path, backend: str = "slurm") -> once.JobRecord:
     """A job an earlier process submitted (this process holds no handle on it)."""
     return once.JobRecord(job_id="77", run_id="r1", name="nightly-abc", backend=backend,
-                          log_path=str(tmp_path / "jobs" / "77" / "log.out"), output_dir=str(tmp_path / "out"))
+                          log_path=str(tmp_path / "jobs" / "77" / "log.out"), output_dir="/mnt/shared/runs/out",
+                          watch_dir=str(tmp_path / "out"))  # as the cluster sees it, and as this machine does
 
 
 def write_result(job: once.JobRecord, *, step: int, completed: bool = True) -> None:
-    path = Path(results_path(job.output_dir, job.name, job.run_id))
+    path = Path(results_path(job.watch_dir, job.name, job.run_id))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(f'{{"mode": "grpo", "global_step": {step}, "completed": {str(completed).lower()}}}\n')
@@ -66,7 +67,8 @@ def test_a_marker_means_one_submission(tmp_path, monkeypatch):
 
     def fake_submit(cfg):
         calls.append(cfg)
-        return SimpleNamespace(job_id="42", spec=SimpleNamespace(run_id="r1", name=cfg.name), log_path="/log")
+        return SimpleNamespace(job_id="42", spec=SimpleNamespace(run_id="r1", name=cfg.name), log_path="/log",
+                               watch_dir=cfg.local_output_dir)
 
     monkeypatch.setattr(once, "submit_training", fake_submit)
     marker = tmp_path / "run" / "training-job.json"
@@ -86,6 +88,16 @@ def test_a_marker_means_one_submission(tmp_path, monkeypatch):
     assert once.job_ended(first)
 
 
+def test_a_job_whose_output_this_machine_cannot_see_says_so(tmp_path):
+    job = record(tmp_path).model_copy(update={"watch_dir": None})
+    cursor = tmp_path / "cursor.json"
+    cursor.write_text("{}")
+    with pytest.raises(ValueError, match="/mnt/shared/runs/out is not visible here; set watch_dir"):
+        once.handled_before(job, cursor)
+    with pytest.raises(ValueError, match="not visible here"):
+        once.completed_result(job)
+
+
 def test_long_names_are_shortened_to_a_stable_job_name():
     name = "a" * 40 + "-nightly-1234abcd"
     short = once.job_name(name)
@@ -95,7 +107,7 @@ def test_long_names_are_shortened_to_a_stable_job_name():
 
 def test_handled_before_is_what_the_cursor_passed_less_what_it_skipped(tmp_path, make_checkpoint):
     job = record(tmp_path)
-    out = Path(job.output_dir)
+    out = Path(job.watch_dir)
     cursor = tmp_path / "run" / "watch-cursor.json"
     assert once.handled_before(job, cursor) == []  # a first attempt: no cursor yet
     for step in (1, 2, 3, 4):
@@ -114,7 +126,7 @@ def test_handled_before_is_what_the_cursor_passed_less_what_it_skipped(tmp_path,
 def test_checkpoints_after_a_restart_continue_after_the_cursor_until_slurm_says_the_job_ended(
         tmp_path, make_checkpoint, monkeypatch):
     job = record(tmp_path)
-    out = Path(job.output_dir)
+    out = Path(job.watch_dir)
     cursor = tmp_path / "run" / "watch-cursor.json"
     make_checkpoint(out, 1)
     make_checkpoint(out, 2)
@@ -137,7 +149,7 @@ def test_checkpoints_after_a_restart_continue_after_the_cursor_until_slurm_says_
 
 def test_a_local_job_of_an_earlier_process_is_drained_without_waiting(tmp_path, make_checkpoint, monkeypatch):
     job = record(tmp_path, backend="local")
-    make_checkpoint(Path(job.output_dir), 1)
+    make_checkpoint(Path(job.watch_dir), 1)
     monkeypatch.setattr(once, "open_backend", lambda cluster: pytest.fail("a local job is never attached to"))
     steps = [c.step for c in once.checkpoints_to_handle(job, LocalConfig(), cursor_path=tmp_path / "c.json",
                                                         poll_interval=0)]
