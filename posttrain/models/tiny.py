@@ -80,10 +80,18 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    tie_word_embeddings: bool = True,
 ) -> Path:
     """Build the tiny model and tokenizer and save them as a Hugging Face folder at ``out_dir``.
 
     The same ``seed`` gives byte-identical weights. Returns ``out_dir`` as a Path.
+
+    ``num_kv_heads`` defaults to ``max(1, num_heads // 2)``. With ``tie_word_embeddings=False``
+    the LM head is a separate matrix, saved as ``lm_head.weight``. vLLM's CPU build needs a
+    head_dim (``hidden_size // num_heads``) of 32, 64, 80, ... (not the default 16) and an
+    untied model for in-place weight reloads: e.g. ``hidden_size=128, num_heads=4,
+    tie_word_embeddings=False``.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -95,9 +103,9 @@ def build_tiny_model(
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
+        num_key_value_heads=num_kv_heads if num_kv_heads is not None else max(1, num_heads // 2),
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
