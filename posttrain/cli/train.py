@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="print the sbatch script, srun line and trainer.yaml (Slurm) or the manifests (Kubernetes); "
         "contact nothing",
     )  # fmt: skip
-    train.add_argument("--cursor", help="watch position file (default ~/.cache/posttrain/runs/watch/<name>-<run id>.json)")
+    train.add_argument("--cursor", help="watch position file (default ~/.cache/posttrain/watch/<name>-<run id>.json)")
     train.set_defaults(func=_train)
 
     watch = subparsers.add_parser(
