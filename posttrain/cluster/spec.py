@@ -13,9 +13,9 @@ import secrets
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from posttrain.cluster import checks
 
@@ -23,6 +23,10 @@ JOB_DIR = "{job_dir}"
 FILE_NAME = re.compile(r"^[-._a-zA-Z0-9]+$")
 # Long enough for "<name>-<run_id>" to stay within the 52 characters of a Kubernetes Job name.
 NAME_MAX = 31
+RUN_ID_MAX = 20
+
+JobName = Annotated[str, AfterValidator(lambda v: checks.dns_label(v, NAME_MAX))]
+RunId = Annotated[str, AfterValidator(lambda v: checks.dns_label(v, RUN_ID_MAX))]
 
 
 def new_run_id() -> str:
@@ -34,8 +38,8 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    name: str = Field(description=f"Job name: a DNS-1123 label of at most {NAME_MAX} characters.")
-    run_id: str = Field(
+    name: JobName = Field(description=f"Job name: a DNS-1123 label of at most {NAME_MAX} characters.")
+    run_id: RunId = Field(
         default_factory=new_run_id,
         description="Distinguishes runs of the same job (job folder, Kubernetes names); "
         "lowercase letters, digits and '-'. Defaults to a UTC timestamp and 4 random hex digits.",
@@ -63,16 +67,6 @@ class JobSpec(BaseModel):
         default_factory=dict,
         description="Small text files (run configs) written into the job folder, name -> content.",
     )
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return checks.dns_label(v, NAME_MAX)
-
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str) -> str:
-        return checks.dns_label(v, 20)
 
     @field_validator("env")
     @classmethod

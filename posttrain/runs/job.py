@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from posttrain.cluster import checks
 from posttrain.cluster.config import CONFIG_TYPES, KubernetesConfig, LocalConfig, SlurmConfig
 from posttrain.cluster.errors import ConfigError
-from posttrain.cluster.spec import NAME_MAX, JobSpec, new_run_id
+from posttrain.cluster.spec import NAME_MAX, JobName, JobSpec, RunId, new_run_id
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 
 TRAINER_FILE = "trainer.yaml"
@@ -67,8 +67,8 @@ class TrainingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(default="train", description=f"Job name: a DNS-1123 label of at most {NAME_MAX} characters.")
-    run_id: str | None = Field(
+    name: JobName = Field(default="train", description=f"Job name: a DNS-1123 label of at most {NAME_MAX} characters.")
+    run_id: RunId | None = Field(
         default=None,
         description="Distinguishes submissions of the same job (job folder, results file); "
         "a UTC timestamp and 4 random hex digits when unset.",
@@ -88,16 +88,6 @@ class TrainingSettings(BaseModel):
         "shared file system or PVC). Defaults to output_dir itself locally and on Slurm without "
         "ssh_host; unset elsewhere, in which case only the job's state is followed.",
     )
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return checks.dns_label(v, NAME_MAX)
-
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str | None) -> str | None:
-        return None if v is None else checks.dns_label(v, 20)
 
     @field_validator("watch_dir")
     @classmethod
