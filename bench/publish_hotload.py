@@ -226,7 +226,7 @@ def hotload_latency(endpoint: str, bucket: str, data: Path, lr: float) -> None:
             result = loader.hot_load(snap.identity, base_identity=snap.base if snap.kind == "delta" else None)
             total = time.perf_counter() - t0
             stages = loader.get_operation(result.operation_id)["status"]["stageSeconds"]
-            swap = stages["load"] + stages["swap"]
+            swap = stages["load"]
             known = snap.encode_seconds + snap.upload_seconds + stages["fetch"] + stages["apply"] + swap
             stage_rows.append([
                 snap.kind, f"{snap.stored_bytes / MiB:.1f}", f"{100 * snap.stored_bytes / snap.raw_bytes:.1f}%",
@@ -258,11 +258,11 @@ def hotload_latency(endpoint: str, bucket: str, data: Path, lr: float) -> None:
         store.close()
     raw = snap.raw_bytes
     print(f"### (b) Checkpoint saved -> hot-loaded on the reference server: Qwen2 {params / 1e6:.0f}M params, "
-          f"{raw / MiB:.0f} MiB bf16, device {server.device}, {os.cpu_count()} cores; "
+          f"{raw / MiB:.0f} MiB bf16, device {server.engine.device}, {os.cpu_count()} cores; "
           f"delta = one Adam step at lr {lr:g} (seconds)\n")
     table(["snapshot", "stored MiB", "of full", "encode", "upload", "download (server fetch)", "apply (reconstruct)",
-           "swap (load + swap)", "other (spool, API, polls)", "total"], stage_rows)
-    print("Stages are single runs; `swap` includes building the model from the rebuilt folder (transformers "
+           "load (build + swap)", "other (spool, API, polls)", "total"], stage_rows)
+    print("Stages are single runs; `load` includes building the model from the rebuilt folder (transformers "
           "maps safetensors lazily, so pages are read on first use).\n")
     print("I/O floor of the same bytes (the snapshot's files, best of 2; local reads hit the page cache; raw boto3 "
           "with the store's part size and concurrency):\n")

@@ -27,7 +27,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="environment variable holding the bearer token (default CW_API_TOKEN)")
     token.add_argument("--token-file", type=Path, help="file whose first line is the bearer token")
     p.add_argument("--work-dir", type=Path, help="snapshot cache and rebuilt weights (default: a temporary folder)")
-    p.add_argument("--replicas", type=int, default=1, help="replicas the hot-load API reports (default 1)")
+    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                   help="what serves: reference (transformers in this process, the default) or vllm (a hot-load "
+                   "gateway in front of vLLM servers)")
+    p.add_argument("--engine-url", action="append", default=[], dest="engine_urls", metavar="URL",
+                   help="vllm: a vLLM server someone else runs (repeat for more replicas); without any, the "
+                   "gateway starts --replicas vLLM servers itself and restarts one that dies")
+    p.add_argument("--engine-python", type=Path,
+                   help="vllm: Python of vLLM's venv (default $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)")
+    p.add_argument("--engine-arg", action="append", default=[], dest="engine_args", metavar="ARG",
+                   help="vllm: an extra argument for the vLLM servers it starts, e.g. --engine-arg=--dtype=float32")
+    p.add_argument("--reload", choices=["auto", "in-place", "restart"], default="auto",
+                   help="vllm: take new weights in place, by restarting the engine, or auto (restart only where "
+                   "in place cannot be trusted: tied embeddings)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replicas the hot-load API reports; vllm: servers the gateway starts (default 1)")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-n", type=int, default=64, help="largest n a request may ask")
@@ -66,7 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(
             model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
             deployment_id=args.deployment_id, store=args.store, prefix=args.prefix, store_options=options,
-            token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device,
+            token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device, engine=args.engine,
+            engine_urls=args.engine_urls, engine_python=args.engine_python, engine_args=args.engine_args,
+            reload=args.reload,
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_batch_rows=args.max_batch_rows,
             test_hooks=args.test_hooks, faults=faults,
         )

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,8 +48,8 @@ from posttrain.inference.protocol import (
     TYPE_FULL,
     TYPE_INCREMENTAL,
 )
+from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FaultBox
-from posttrain.serve.model_slot import ModelSlot, ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -118,27 +117,20 @@ class Replica:
                 "currentSnapshotIdentity": self.identity or "", "errorReason": self.error_reason}
 
 
-Loader = Callable[[Path, ServedModel, str], ServedModel]
-"""Loads a reconstructed checkpoint folder like the served model, for the given identity."""
-
-
 class HotLoadService:
     def __init__(
         self,
         *,
         deployment_id: str,
         source: SnapshotSource,
-        slot: ModelSlot,
-        loader: Loader,
+        engine: Engine,
         work_dir: Path,
-        replicas: int = 1,
         faults: FaultBox | None = None,
         boot_dir: Path | None = None,
     ):
         self.deployment_id = deployment_id
         self.source = source
-        self.slot = slot
-        self.loader = loader
+        self.engine = engine
         self.work_dir = work_dir
         self.faults = faults or FaultBox()
         self.boot_dir = boot_dir
@@ -147,8 +139,8 @@ class HotLoadService:
         self._ops: dict[str, Operation] = {}
         self._seq = 0
         self._threads: list[threading.Thread] = []
-        identity = slot.current().identity
-        self._replicas = [Replica(f"replica-{i:04d}", "local-a", REPLICA_READY, identity) for i in range(replicas)]
+        identity = engine.current().identity
+        self._replicas = [Replica(name, "local-a", REPLICA_READY, identity) for name in engine.replica_names]
         (work_dir / "views").mkdir(parents=True, exist_ok=True)
         (work_dir / "models").mkdir(parents=True, exist_ok=True)
 
@@ -206,8 +198,13 @@ class HotLoadService:
 
     def replicas(self, op_id: str, page_size: int | None, page_token: str | None) -> tuple[list[Replica], str]:
         self.get(op_id)
+        broken = self.engine.replica_errors()  # an engine that died since: ERROR until it serves again
         with self._lock:
-            reps = sorted((Replica(**vars(r)) for r in self._replicas), key=lambda r: (r.zone, r.name))
+            reps = [Replica(**vars(r)) for r in self._replicas]
+        for r in reps:
+            if r.name in broken:
+                r.state, r.error_reason = REPLICA_ERROR, broken[r.name]
+        reps.sort(key=lambda r: (r.zone, r.name))
         return _page(reps, ("replicas", op_id), page_size, page_token)
 
     def cancel(self, op_id: str) -> None:
@@ -255,7 +252,7 @@ class HotLoadService:
 
     def _run(self, op: Operation) -> None:
         t0 = time.perf_counter()
-        before = self.slot.current()
+        before = self.engine.current()
         self._set(op, STATE_RUNNING)
         self._set_replicas(REPLICA_LOADING, before.identity)
         delay = self.faults.take("delay_hotload")
@@ -294,11 +291,9 @@ class HotLoadService:
 
             reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
             t = self._stage(op, "apply", t)
-            new = self.loader(out, before, op.identity)
-            t = self._stage(op, "load", t)
-            old = self.slot.swap(new)
-            self._discard(old.path)
-            self._stage(op, "swap", t)
+            self.engine.load(out, op.identity)
+            self._discard(before.path)
+            self._stage(op, "load", t)
             self.source.forget(fetched)  # the served folder holds this version now: keep the cache empty
             self._finish(op, op.identity, t0)
         except Exception as e:  # noqa: BLE001 - every failure becomes the operation's condition

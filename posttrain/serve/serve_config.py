@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from posttrain.serve.faults import Fault
 
@@ -28,8 +28,29 @@ class ServeConfig(BaseModel):
     work_dir: Path | None = Field(
         None, description="Snapshot cache and reconstructed weights (default: a temporary folder, removed on exit)."
     )
+    engine: Literal["reference", "vllm"] = Field(
+        "reference", description="What serves: reference (transformers in this process) or vllm (vLLM servers "
+        "behind this gateway)."
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="vllm: URLs of vLLM servers someone else runs, one replica each; "
+        "without any, the gateway starts `replicas` vLLM servers itself and restarts one that dies."
+    )
+    engine_python: Path | None = Field(
+        None, description="vllm: the Python of vLLM's own venv (default $POSTTRAIN_VLLM_PYTHON, else "
+        ".venv-vllm/bin/python in the working directory)."
+    )
+    engine_args: list[str] = Field(
+        default_factory=list, description="vllm: extra arguments of the vLLM servers it starts (e.g. --dtype float32)."
+    )
+    reload: Literal["auto", "in-place", "restart"] = Field(
+        "auto", description="vllm: how a replica takes new weights: in place (pause, reload_weights, resume), by "
+        "restarting the engine on the new folder, or auto (restart where in place cannot be trusted: tied "
+        "embeddings)."
+    )
     replicas: int = Field(
-        1, ge=1, le=10_000, description="Replicas reported by the hot-load API (one model serves all)."
+        1, ge=1, le=10_000, description="Replicas reported by the hot-load API (reference: one model serves all; "
+        "vllm: engines the gateway starts)."
     )
     device: str = Field("auto", description="torch device: auto (cuda when available), cpu, cuda, cuda:1 ...")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
@@ -37,6 +58,17 @@ class ServeConfig(BaseModel):
     max_batch_rows: int = Field(64, ge=1, description="Sequences sampled together in one batch.")
     test_hooks: bool = Field(False, description="Serve /_test/faults and /_test/stats (fault injection). Tests only.")
     faults: list[Fault] = Field(default_factory=list, description="Faults armed at start (implies test hooks).")
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> ServeConfig:
+        if self.engine == "reference":
+            for name in ("engine_urls", "engine_python", "engine_args"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is for --engine vllm; the reference engine serves in this process")
+        for i, url in enumerate(self.engine_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine_urls[{i}]: {url!r} is not an http(s) URL")
+        return self
 
 
 def read_token(*, env: str | None = None, file: str | os.PathLike[str] | None = None) -> SecretStr:

@@ -37,11 +37,10 @@ from posttrain.inference.protocol import (
     GRPC_UNAUTHENTICATED,
     GRPC_UNAVAILABLE,
 )
-from posttrain.serve.completions import RequestError, build_response, parse_request
+from posttrain.serve.completions import RequestError
+from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
-from posttrain.serve.model_slot import ModelSlot, ServedModel, load_served, resolve_device
-from posttrain.serve.sampler import sample
 from posttrain.serve.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -57,13 +56,10 @@ class _DropReply(Exception):
 
 
 class InferenceServer:
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
-        self.model_name = config.served_model_name or config.model_dir.resolve().name
-        self.tokenizer = _load_tokenizer(config.model_dir)
-        boot = load_served(config.model_dir, self.device)
-        self.slot = ModelSlot(boot)
+        self.engine = engine or open_engine(config)
+        self.model_name = self.engine.model_name
         self._own_work_dir = config.work_dir is None
         self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -75,18 +71,11 @@ class InferenceServer:
         self.service = HotLoadService(
             deployment_id=config.deployment_id,
             source=SnapshotSource(self.store, config.prefix, self.work_dir / "cache"),
-            slot=self.slot,
-            loader=lambda path, like, identity: load_served(path, self.device, like=like, identity=identity),
+            engine=self.engine,
             work_dir=self.work_dir,
-            replicas=config.replicas,
             faults=self.faults,
             boot_dir=config.model_dir,
         )
-        cfg = boot.model.config
-        self.vocab_size = int(cfg.vocab_size)
-        self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self.eos_ids, self.pad_id = _special_ids(boot, self.tokenizer)
-        self.generate_lock = threading.Lock()
         self._token = config.token.get_secret_value().encode()
         self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self))
         self.httpd.daemon_threads = True
@@ -111,6 +100,7 @@ class InferenceServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.service.wait(timeout=30)
+        self.engine.close()
         self.store.close()
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
@@ -118,52 +108,12 @@ class InferenceServer:
     def authorized(self, header: str | None) -> bool:
         return header is not None and hmac.compare_digest(header.encode(), b"Bearer " + self._token)
 
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        try:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-        except Exception:  # noqa: BLE001 - text is informative only
-            return ""
 
-    def complete(self, body: object) -> dict:
-        params = parse_request(body, model_name=self.model_name, vocab_size=self.vocab_size,
-                               max_positions=self.max_positions, max_tokens_limit=self.config.max_tokens_limit,
-                               max_n=self.config.max_n)
-        with self.generate_lock:
-            served = self.slot.current()  # kept to the end: a swap meanwhile does not touch this request
-            choices = sample(served.model, params.prompts, n=params.n, max_tokens=params.max_tokens,
-                             temperature=params.temperature, top_p=params.top_p, eos_token_ids=self.eos_ids,
-                             pad_token_id=self.pad_id, seed=params.seed,
-                             max_batch_rows=self.config.max_batch_rows)
-        return build_response(params, choices, model_name=self.model_name, snapshot_identity=served.identity,
-                              decode=self.decode)
+def open_engine(config: ServeConfig) -> Engine:
+    """The engine ``config.engine`` names, started on ``config.model_dir``."""
+    from posttrain.serve.reference import ReferenceEngine
 
-
-def _load_tokenizer(path: Path):
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - a server of token ids can work without one
-        log.warning("no tokenizer in %s (%s); completions will carry no text", path, type(e).__name__)
-        return None
-
-
-def _special_ids(served: ServedModel, tokenizer) -> tuple[set[int], int]:
-    eos: set[int] = set()
-    for source in (getattr(served.model, "generation_config", None), served.model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            eos.add(value)
-        elif isinstance(value, (list, tuple)):
-            eos.update(v for v in value if isinstance(v, int))
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    if pad is None:
-        pad = getattr(served.model.config, "pad_token_id", None)
-    if pad is None:
-        pad = min(eos) if eos else 0
-    return eos, int(pad)
+    return ReferenceEngine(config)
 
 
 def _handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:
@@ -291,19 +241,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ routes
     def _health(self) -> None:
-        served = self.app.slot.current()
+        served = self.app.engine.current()
         self._send(200, {"status": "ok", "deploymentId": self.app.config.deployment_id,
                          "snapshotIdentity": served.identity})
 
     def _models(self) -> None:
-        served = self.app.slot.current()
+        served = self.app.engine.current()
         self._send(200, {"object": "list", "data": [{
             "id": self.app.model_name, "object": "model", "owned_by": "posttrain",
-            "max_model_len": self.app.max_positions, "snapshot_identity": served.identity,
+            "max_model_len": self.app.engine.max_positions, "snapshot_identity": served.identity,
         }]})
 
     def _completions(self) -> None:
-        self._send(200, self.app.complete(self._body()))
+        self._send(200, self.app.engine.complete(self._body()))
 
     def _create(self) -> None:
         body = self._body()
@@ -344,7 +294,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"pending": []})
 
     def _stats(self) -> None:
-        served = self.app.slot.current()
+        served = self.app.engine.current()
         self._send(200, {"creates": dict(self.app.service.creates), "pending": self.app.faults.pending(),
                          "snapshotIdentity": served.identity})
 

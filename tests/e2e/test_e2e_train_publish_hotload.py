@@ -97,7 +97,7 @@ def test_training_checkpoints_are_published_hot_loaded_and_served(trained_run: T
             assert [s["identity"] for s in chain] == [published.identity]  # a delta applies to the held version
 
             # the served weights are the checkpoint's, bit for bit: on disk and in memory
-            served = server.slot.current()
+            served = server.engine.slot.current()
             assert served.identity == published.identity
             want = load_bytes(ckpt)
             assert load_bytes(served.path) == want

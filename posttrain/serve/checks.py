@@ -1,0 +1,85 @@
+"""Checks an engine runs before it lets another process see a folder, and the gate that keeps
+requests and version switches apart."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from posttrain.chain.checkpoint import CONFIG_NAME, Checkpoint
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def folder_layout(folder: Path) -> Layout:
+    """Tensor names, dtypes and shapes of a checkpoint folder, from its safetensors headers only
+    (a truncated shard or an index naming a missing file raises ``FormatError`` naming it)."""
+    return Checkpoint.open(folder).layout()
+
+
+def check_layout(folder: Path, expected: Layout) -> None:
+    """Raise ``ValueError`` naming the tensors of ``folder`` that are missing, extra, or of
+    another dtype or shape than the served model's: an engine must never see such a folder
+    (vLLM keeps a missing tensor's old value, and breaks on a wrong shape)."""
+    got = folder_layout(folder)
+    problems = []
+    for name in sorted(set(got) | set(expected)):
+        if name not in got:
+            problems.append(f"tensor {name!r} is missing")
+        elif name not in expected:
+            problems.append(f"tensor {name!r} is not in the served model")
+        elif got[name] != expected[name]:
+            (dtype, shape), (want_dtype, want_shape) = got[name], expected[name]
+            problems.append(f"tensor {name!r} is {dtype}{list(shape)}, the served model's is "
+                            f"{want_dtype}{list(want_shape)}")
+    if problems:
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ValueError(f"{folder}: does not fit the served model: {'; '.join(problems[:5])}{more}")
+
+
+def ties_embeddings(folder: Path) -> bool:
+    """Whether the model's config ties the LM head to the input embeddings."""
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
+class Gate:
+    """Many requests at once, or one version switch alone: a switch waits for the requests in
+    flight and holds new ones back, so every answer is stamped with the version that made it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._writer = True  # new readers wait from here on
+            self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()

@@ -1,0 +1,54 @@
+"""The seam between the hot-load gateway and what actually serves: an ``Engine``.
+
+The gateway (``server``: HTTP, auth, the v1alpha1 hot-load API, ``hotload_service``: fetching
+and rebuilding versions) is the same whatever serves; an engine only answers completions and
+switches to a folder it is given. ``reference.ReferenceEngine`` serves with transformers in
+this process; ``vllm.engine.VLLMEngine`` drives vLLM servers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Served:
+    """What an engine serves: the snapshot identity (None for boot weights that record none) and
+    the folder holding those weights (the held version a delta is rebuilt from)."""
+
+    identity: str | None
+    path: Path
+
+
+class EngineError(Exception):
+    """An engine could not do what it was asked; the message says which replica and why."""
+
+
+class Engine(Protocol):
+    model_name: str
+    max_positions: int | None
+    replica_names: list[str]
+
+    def current(self) -> Served:
+        """The version served now."""
+        ...
+
+    def load(self, folder: Path, identity: str) -> Served:
+        """Serve the weights in ``folder`` as ``identity`` from the next request on. On failure
+        raise (``EngineError`` or ``ValueError`` naming the tensor or file) with the previous
+        version still served, or with the broken replicas reported by ``replica_errors``."""
+        ...
+
+    def complete(self, body: object) -> dict:
+        """Answer an OpenAI-style ``/v1/completions`` body with token ids and logprobs, stamped
+        with ``snapshot_identity``, the version that sampled it. Raises ``RequestError``."""
+        ...
+
+    def replica_errors(self) -> dict[str, str]:
+        """Replicas that cannot serve right now, with the reason (empty when all can)."""
+        ...
+
+    def close(self) -> None:
+        ...
