@@ -9,7 +9,8 @@ is vLLM's own error text), ``EngineUnavailable`` (also a ``TransientError``) whe
 answer at all (connection refused or reset, timeout).
 
 A failed reload (a wrong shape, a nonexistent path) leaves vLLM broken while ``/health`` still
-answers 200: the next generate request kills its engine. Restart the server after one.
+answers 200 and ``/resume`` works: the next generate request fails with 500 and kills the engine
+(``/health`` 503, then the server exits). Restart the server after one.
 """
 
 from __future__ import annotations
@@ -79,10 +80,18 @@ class VLLMClient:
         except (requests.ConnectionError, requests.Timeout) as e:
             raise EngineUnavailable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from e
 
+    def _drop_connections(self) -> None:
+        """After an error answer: vLLM (uvicorn) may close that keep-alive connection without saying so,
+        and the next request on it would fail with a reset, as if vLLM were down."""
+        self._session.close()
+        self._session = requests.Session()
+
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         response = self._request(method, path, **kw)
         if response.status_code != 200:
-            raise EngineError(response.status_code, f"{method} {path}: {_error_message(response)}")
+            message = _error_message(response)
+            self._drop_connections()
+            raise EngineError(response.status_code, f"{method} {path}: {message}")
         if not response.content:
             return {}
         try:
@@ -93,9 +102,12 @@ class VLLMClient:
     def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``GET /health`` answers 200 (it does even after a failed reload, see the module doc)."""
         try:
-            return self._request("GET", "/health", timeout=timeout).status_code == 200
+            response = self._request("GET", "/health", timeout=timeout)
         except EngineUnavailable:
             return False
+        if response.status_code != 200:
+            self._drop_connections()
+        return response.status_code == 200
 
     def served_models(self) -> list[str]:
         """The model names requests may give (``GET /v1/models``)."""
