@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ VLLM_ENV = {
 # Of the caller's environment, these would point vLLM's Python at the project's packages.
 DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
 LOG_TAIL_LINES = 40
+ERROR_LINE = re.compile(r"\b[A-Za-z.]*(?:Error|Exception): .*")  # "RuntimeError: Unsupported CPU attention ..."
 
 
 def default_python() -> Path:
@@ -193,7 +195,10 @@ class VLLMProcess:
                 if not out.get("choices"):
                     raise EngineError(200, f"no choices in {out!r}")
             except EngineError as e:
-                raise EngineStartError(f"vLLM answers /health but cannot generate: {e}", self.log_tail()) from e
+                causes = "; ".join(self.log_errors()) or "(no error line in the log)"
+                raise EngineStartError(
+                    f"vLLM answers /health but cannot generate: {e}\nerrors in its log: {causes}", self.log_tail()
+                ) from e
         finally:
             client.close()
 
@@ -276,6 +281,16 @@ class VLLMProcess:
         except OSError as e:
             return f"(log {self.log_file} unreadable: {e})"
         return "\n".join(text.splitlines()[-lines:])
+
+    def log_errors(self, most: int = 3) -> list[str]:
+        """The last distinct ``...Error: message`` lines vLLM logged since its latest start (the causes)."""
+        seen: dict[str, None] = {}
+        for line in self.log_tail(lines=100_000).splitlines():
+            match = ERROR_LINE.search(line)
+            if match:
+                seen.pop(match.group(0), None)
+                seen[match.group(0)] = None
+        return list(seen)[-most:]
 
     def __enter__(self) -> VLLMProcess:
         return self

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.serve.vllm import EngineError, EngineUnavailable, VLLMProcess, VLLMProcessConfig
+from posttrain.serve.vllm import EngineError, EngineStartError, EngineUnavailable, VLLMProcess, VLLMProcessConfig
 from posttrain.serve.vllm.process import default_python, group_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -212,3 +212,18 @@ def test_stop_leaves_no_process(engine: VLLMProcess) -> None:
     assert not engine.alive()
     with engine.client(timeout=5) as client:
         assert not client.health()
+
+
+def test_start_fails_on_a_model_vllm_cannot_run(tmp_path: Path) -> None:
+    """head_dim 16 (the tiny model's default size) passes /health, then dies on the first token."""
+    from posttrain.models.tiny import build_tiny_model
+
+    bad = build_tiny_model(tmp_path / "head-dim-16", seed=0)
+    proc = VLLMProcess(VLLMProcessConfig(served_model_name=NAME, log_file=tmp_path / "vllm.log"))
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as err:
+        proc.start(bad)
+    print(f"start on an unrunnable model failed in {time.monotonic() - t0:.1f} s: {str(err.value).splitlines()[0]}")
+    assert "cannot generate" in str(err.value) and err.value.log_tail
+    assert "Unsupported CPU attention configuration: head_dim=16" in str(err.value), "the cause, from vLLM's log"
+    assert proc.pids() == [] and not proc.alive()
