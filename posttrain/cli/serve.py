@@ -34,9 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vllm: a vLLM server someone else runs (repeat for more replicas); without any, the "
                    "gateway starts --replicas vLLM servers itself and restarts one that dies")
     p.add_argument("--engine-python", type=Path,
-                   help="vllm: Python of vLLM's venv (default $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)")
+                   help="vllm: Python of vLLM's venv (default $VLLM_VENV/bin/python, else .venv-vllm/bin/python)")
+    p.add_argument("--engine-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="vllm: --dtype of the vLLM servers it starts (default auto)")
+    p.add_argument("--engine-max-model-len", type=int, default=4096,
+                   help="vllm: --max-model-len of the vLLM servers it starts (default 4096)")
     p.add_argument("--engine-arg", action="append", default=[], dest="engine_args", metavar="ARG",
-                   help="vllm: an extra argument for the vLLM servers it starts, e.g. --engine-arg=--dtype=float32")
+                   help="vllm: one more argument for the vLLM servers it starts, e.g. --engine-arg=--max-num-seqs=64")
     p.add_argument("--reload", choices=["auto", "in-place", "restart"], default="auto",
                    help="vllm: take new weights in place, by restarting the engine, or auto (restart only where "
                    "in place cannot be trusted: tied embeddings)")
@@ -51,6 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", help="JSON list of faults armed at start (implies --test-hooks)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+
+def _engine_fields(args: argparse.Namespace) -> dict:
+    """The vLLM settings given on the command line (none for the reference engine)."""
+    if args.engine == "reference":
+        return {}
+    vllm = {"dtype": args.engine_dtype, "max_model_len": args.engine_max_model_len, "extra_args": args.engine_args}
+    if args.engine_python is not None:
+        vllm["python"] = args.engine_python
+    return {"engine_urls": args.engine_urls, "vllm": vllm}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -81,8 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
             deployment_id=args.deployment_id, store=args.store, prefix=args.prefix, store_options=options,
             token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device, engine=args.engine,
-            engine_urls=args.engine_urls, engine_python=args.engine_python, engine_args=args.engine_args,
-            reload=args.reload,
+            reload=args.reload, **_engine_fields(args),
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_batch_rows=args.max_batch_rows,
             test_hooks=args.test_hooks, faults=faults,
         )

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from posttrain.chain.checkpoint import CONFIG_NAME, Checkpoint
+import xxhash
+
+from posttrain.chain.checkpoint import CONFIG_NAME, Checkpoint, ChunkReader
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -38,6 +40,23 @@ def check_layout(folder: Path, expected: Layout) -> None:
     if problems:
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise ValueError(f"{folder}: does not fit the served model: {'; '.join(problems[:5])}{more}")
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """Whether two checkpoint folders hold the same tensors, byte for byte (however sharded)."""
+    ca, cb = Checkpoint.open(a), Checkpoint.open(b)
+    if ca.layout() != cb.layout():
+        return False
+    with ChunkReader() as ra, ChunkReader() as rb:
+        for name, info in ca.tensors.items():
+            da, db = xxhash.xxh3_128(), xxhash.xxh3_128()
+            for chunk in ra.chunks(info):
+                da.update(chunk)
+            for chunk in rb.chunks(cb.tensors[name]):
+                db.update(chunk)
+            if da.digest() != db.digest():
+                return False
+    return True
 
 
 def ties_embeddings(folder: Path) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from posttrain.errors import TransientError
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,23 @@ class Served:
 
 class EngineError(Exception):
     """An engine could not do what it was asked; the message says which replica and why."""
+
+
+class EngineCallError(EngineError):
+    """A server of an engine answered a request with a non-200 ``status`` and an error ``message``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"the engine answered {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class EngineUnavailable(EngineCallError, TransientError):
+    """A server of an engine did not answer at all (refused, reset or timed out); ``status`` is 0."""
+
+    def __init__(self, message: str) -> None:
+        EngineCallError.__init__(self, 0, message)
+        self.args = (f"the engine did not answer: {message}",)
 
 
 class Engine(Protocol):
@@ -52,3 +71,37 @@ class Engine(Protocol):
 
     def close(self) -> None:
         ...
+
+
+class EngineClient(Protocol):
+    """One server of an engine in another process (vLLM, SGLang), over HTTP."""
+
+    def health(self) -> bool: ...
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI-style completions body in, the OpenAI-style answer (token ids, logprobs) out."""
+        ...
+
+    def pause(self) -> None:
+        """Finish the requests in flight, take no new ones."""
+        ...
+
+    def reload(self, folder: Path) -> None:
+        """Load the weights in ``folder`` (between ``pause`` and ``resume``)."""
+        ...
+
+    def resume(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineProcess(Protocol):
+    """A server of an engine that the gateway started and supervises."""
+
+    def alive(self) -> bool: ...
+
+    def restart(self, model_dir: Path | None = None) -> None:
+        """Stop it and start it again on ``model_dir``; returns once it serves."""
+        ...
+
+    def stop(self) -> None: ...

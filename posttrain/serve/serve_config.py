@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from posttrain.serve.faults import Fault
+from posttrain.serve.vllm.process import VLLMProcessConfig
 
 
 class ServeConfig(BaseModel):
@@ -36,12 +37,9 @@ class ServeConfig(BaseModel):
         default_factory=list, description="vllm: URLs of vLLM servers someone else runs, one replica each; "
         "without any, the gateway starts `replicas` vLLM servers itself and restarts one that dies."
     )
-    engine_python: Path | None = Field(
-        None, description="vllm: the Python of vLLM's own venv (default $POSTTRAIN_VLLM_PYTHON, else "
-        ".venv-vllm/bin/python in the working directory)."
-    )
-    engine_args: list[str] = Field(
-        default_factory=list, description="vllm: extra arguments of the vLLM servers it starts (e.g. --dtype float32)."
+    vllm: VLLMProcessConfig = Field(
+        default_factory=VLLMProcessConfig, description="vllm: how the gateway runs the vLLM servers it starts "
+        "(its Python, dtype, lengths, extra arguments); the served name is the gateway's."
     )
     reload: Literal["auto", "in-place", "restart"] = Field(
         "auto", description="vllm: how a replica takes new weights: in place (pause, reload_weights, resume), by "
@@ -62,8 +60,8 @@ class ServeConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_settings(self) -> ServeConfig:
         if self.engine == "reference":
-            for name in ("engine_urls", "engine_python", "engine_args"):
-                if getattr(self, name):
+            for name in ("engine_urls", "vllm"):
+                if name in self.model_fields_set:
                     raise ValueError(f"{name} is for --engine vllm; the reference engine serves in this process")
         for i, url in enumerate(self.engine_urls):
             if not url.startswith(("http://", "https://")):

@@ -111,6 +111,10 @@ class InferenceServer:
 
 def open_engine(config: ServeConfig) -> Engine:
     """The engine ``config.engine`` names, started on ``config.model_dir``."""
+    if config.engine == "vllm":
+        from posttrain.serve.vllm.engine import open_vllm_engine
+
+        return open_vllm_engine(config)
     from posttrain.serve.reference import ReferenceEngine
 
     return ReferenceEngine(config)

@@ -4,7 +4,7 @@ It speaks the endpoints the gateway needs: ``/health``, ``/v1/models``, ``/v1/co
 the dev-mode weight reload (``/pause?mode=wait``, ``/collective_rpc`` with ``reload_weights``,
 ``/resume``; the server must run with ``VLLM_SERVER_DEV_MODE=1``, on loopback only).
 
-Errors: ``EngineError(status, message)`` when vLLM answers with a non-200 status (the message
+Errors: ``EngineCallError(status, message)`` when vLLM answers with a non-200 status (the message
 is vLLM's own error text), ``EngineUnavailable`` (also a ``TransientError``) when it does not
 answer at all (connection refused or reset, timeout).
 
@@ -20,24 +20,7 @@ from typing import Any
 
 import requests
 
-from posttrain.errors import TransientError
-
-
-class EngineError(Exception):
-    """vLLM answered a request with a non-200 status (``status``) and an error ``message``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"vLLM answered {status}: {message}")
-        self.status = status
-        self.message = message
-
-
-class EngineUnavailable(EngineError, TransientError):
-    """vLLM did not answer at all (refused, reset or timed out); ``status`` is 0."""
-
-    def __init__(self, message: str) -> None:
-        EngineError.__init__(self, 0, message)
-        self.args = (f"vLLM did not answer: {message}",)
+from posttrain.serve.engine import EngineCallError, EngineUnavailable
 
 
 def _error_message(response: requests.Response) -> str:
@@ -91,13 +74,13 @@ class VLLMClient:
         if response.status_code != 200:
             message = _error_message(response)
             self._drop_connections()
-            raise EngineError(response.status_code, f"{method} {path}: {message}")
+            raise EngineCallError(response.status_code, f"{method} {path}: {message}")
         if not response.content:
             return {}
         try:
             return response.json()
         except ValueError as e:
-            raise EngineError(response.status_code, f"{method} {path}: not JSON: {response.text[:500]!r}") from e
+            raise EngineCallError(response.status_code, f"{method} {path}: not JSON: {response.text[:500]!r}") from e
 
     def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``GET /health`` answers 200 (it does even after a failed reload, see the module doc)."""
@@ -122,14 +105,14 @@ class VLLMClient:
         """Stop taking new requests once in-flight ones finish (``POST /pause?mode=wait``)."""
         body = self._json("POST", "/pause", params={"mode": "wait"})
         if body.get("status") != "paused":
-            raise EngineError(200, f"POST /pause?mode=wait: expected status 'paused', got {body!r}")
+            raise EngineCallError(200, f"POST /pause?mode=wait: expected status 'paused', got {body!r}")
 
     def reload(self, folder: Path) -> None:
         """Load the weights in ``folder`` in place (between ``pause`` and ``resume``).
 
         vLLM reads the folder itself, so it must be a path on vLLM's machine. It does not check
         the tensors: a missing one keeps its old value silently; a wrong shape or a nonexistent
-        path raises ``EngineError`` and leaves the engine broken (restart it).
+        path raises ``EngineCallError`` and leaves the engine broken (restart it).
         """
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
         self._json("POST", "/collective_rpc", json=payload)
@@ -139,4 +122,4 @@ class VLLMClient:
         self._json("POST", "/resume")
 
 
-__all__ = ["EngineError", "EngineUnavailable", "VLLMClient"]
+__all__ = ["VLLMClient"]

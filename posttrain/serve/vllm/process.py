@@ -27,7 +27,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.serve.vllm.client import EngineError, VLLMClient
+from posttrain.serve.engine import EngineCallError
+from posttrain.serve.vllm.client import VLLMClient
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,8 @@ class VLLMProcess:
             try:
                 out = client.complete(body)
                 if not out.get("choices"):
-                    raise EngineError(200, f"no choices in {out!r}")
-            except EngineError as e:
+                    raise EngineCallError(200, f"no choices in {out!r}")
+            except EngineCallError as e:
                 causes = "; ".join(self.log_errors()) or "(no error line in the log)"
                 raise EngineStartError(
                     f"vLLM answers /health but cannot generate: {e}\nerrors in its log: {causes}", self.log_tail()

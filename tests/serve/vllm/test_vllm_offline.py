@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.serve.vllm import EngineStartError, EngineUnavailable, VLLMClient, VLLMProcess, VLLMProcessConfig
+from posttrain.serve.engine import EngineUnavailable
+from posttrain.serve.vllm import EngineStartError, VLLMClient, VLLMProcess, VLLMProcessConfig
 from posttrain.serve.vllm.process import free_port
 
 

