@@ -23,6 +23,10 @@ import requests
 from posttrain.serve.engine import EngineCallError, EngineUnavailable
 
 
+# Asked of every completion: RL needs the sampled token ids, never text to tokenize again.
+TOKEN_IDS = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+
+
 def _error_message(response: requests.Response) -> str:
     """vLLM's error text: ``{"error": {"message": ...}}``, ``{"detail": ...}``, or the raw body."""
     try:
@@ -98,8 +102,9 @@ class VLLMClient:
         return [m["id"] for m in body.get("data", [])]
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /v1/completions`` with ``body`` as is; the response's JSON."""
-        return self._json("POST", "/v1/completions", json=body)
+        """``POST /v1/completions``; the answer carries token ids (``choices[i].token_ids``, and
+        ``logprobs.tokens`` as ``token_id:N``) unless ``body`` says otherwise."""
+        return self._json("POST", "/v1/completions", json={**TOKEN_IDS, **body})
 
     def pause(self) -> None:
         """Stop taking new requests once in-flight ones finish (``POST /pause?mode=wait``)."""

@@ -1,0 +1,178 @@
+"""posttrain serve --engine vllm against REAL vLLM (CPU build): the gateway hot-loads a chain
+into vLLM, and vLLM then answers exactly as transformers does on that version; bad versions
+never reach vLLM and leave the previous one served; a killed engine comes back on the last good
+version; a model with tied embeddings is switched by a restart (in place is wrong on CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+from safetensors.torch import load_file, save_file
+
+from posttrain.chain.policy import ChainPolicy
+from posttrain.chain.writer import ChainWriter
+from posttrain.inference.contract import HotLoadFailed
+from posttrain.serve.serve_config import ServeConfig
+from posttrain.serve.server import InferenceServer
+from posttrain.serve.vllm.process import VLLMProcessConfig
+from tests.support.serving import DEPLOYMENT, PREFIX, TOKEN, Api
+from tests.support.vllm import PROMPTS, Greedy, assert_matches, perturbed, require_vllm, transformers_greedy, vllm_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+require_vllm()
+
+
+def _without(src: Path, dst: Path, drop: str | None = None, reshape: str | None = None) -> Path:
+    """A copy of ``src`` missing tensor ``drop``, or with tensor ``reshape`` transposed."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = load_file(src / "model.safetensors")
+    if drop:
+        del weights[drop]
+    if reshape:
+        weights[reshape] = weights[reshape].t().contiguous()
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _chain(root: Path, tied: bool) -> dict:
+    m0 = vllm_model(root / "m0", tied=tied)
+    m1 = perturbed(m0, root / "m1", 1)
+    m2 = perturbed(m1, root / "m2", 2)
+    # every weight moves, so deltas are as big as full snapshots: allow them anyway
+    writer = ChainWriter(root / "store" / PREFIX, run="r1", policy=ChainPolicy(delta_budget=100.0))
+    snaps = [writer.add(m0, step=0), writer.add(m1, base=m0, step=1), writer.add(m2, base=m1, step=2)]
+    assert [s.kind for s in snaps] == ["full", "delta", "delta"]
+    return {"models": [m0, m1, m2], "ids": [s.identity for s in snaps], "store": root / "store", "writer": writer}
+
+
+def _gateway(chain: dict, work: Path, **fields) -> InferenceServer:
+    config = ServeConfig(model_dir=chain["models"][0], served_model_name="tiny", port=0, deployment_id=DEPLOYMENT,
+                         store=str(chain["store"]), prefix=PREFIX, token=SecretStr(TOKEN), work_dir=work,
+                         engine="vllm", vllm=VLLMProcessConfig(log_file=work.parent / f"{work.name}-vllm.log"),
+                         **fields)
+    return InferenceServer(config).start()
+
+
+def _served(api: Api) -> tuple[Greedy, str | None]:
+    out, identity = [], None
+    for prompt in PROMPTS:
+        reply = api.complete(prompt=prompt, max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+        choice = reply["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+        identity = reply["snapshot_identity"]
+    return out, identity
+
+
+def _loader(server: InferenceServer, make_client):
+    return make_client(server, timeout=300, fallback_to_full=False)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> dict:
+    chain = _chain(tmp_path_factory.mktemp("untied"), tied=False)
+    chain["refs"] = [transformers_greedy(m) for m in chain["models"]]
+    assert chain["refs"][0] != chain["refs"][1] != chain["refs"][2]
+    return chain
+
+
+@pytest.fixture(scope="module")
+def gateway(untied, tmp_path_factory):
+    server = _gateway(untied, tmp_path_factory.mktemp("gw") / "work")
+    yield server
+    server.shutdown()
+    assert not server.engine.replicas[0].process.pids(), "shutdown left vLLM processes behind"
+
+
+def test_full_delta_delta_are_each_served_exactly(gateway, untied, make_client):
+    api = Api(gateway.url)
+    loader = _loader(gateway, make_client)
+    for i, identity in enumerate(untied["ids"]):
+        base = untied["ids"][i - 1] if i else None
+        result = loader.hot_load(identity, base_identity=base)
+        assert result.identity == identity
+        got, stamped = _served(api)
+        assert stamped == identity
+        assert_matches(got, untied["refs"][i])
+
+
+def test_bad_versions_fail_naming_the_tensor_and_the_previous_one_stays_served(gateway, untied, make_client, tmp_path):
+    api = Api(gateway.url)
+    loader = _loader(gateway, make_client)
+    last = untied["ids"][-1]
+    assert _served(api)[1] == last
+    writer = untied["writer"]
+    m2 = untied["models"][2]
+    corrupt = writer.add(perturbed(m2, tmp_path / "m3", 3), base=m2, step=10)
+    assert corrupt.kind == "delta"
+    shard = next((untied["store"] / PREFIX / corrupt.identity).glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(64)  # the last tensor's zstd frame: decodes to other bytes, or not at all
+    shard.write_bytes(bytes(data))
+    missing = writer.add(_without(m2, tmp_path / "missing", drop="model.layers.0.mlp.up_proj.weight"), step=11)
+    wrong = writer.add(_without(m2, tmp_path / "wrong", reshape="model.layers.1.mlp.down_proj.weight"), step=12)
+    assert (missing.kind, wrong.kind) == ("full", "full")  # a layout change starts a new full snapshot
+
+    cases = [(missing.identity, None, "model.layers.0.mlp.up_proj.weight"),
+             (wrong.identity, None, "model.layers.1.mlp.down_proj.weight"),
+             (corrupt.identity, last, "model.")]  # the tensor whose checksum fails
+    for identity, base, named in cases:
+        with pytest.raises(HotLoadFailed) as info:
+            loader.hot_load(identity, base_identity=base)
+        assert named in str(info.value)
+        got, stamped = _served(api)
+        assert stamped == last
+        assert_matches(got, untied["refs"][2])
+    reload = loader.hot_load(untied["ids"][0])  # a good version afterwards loads
+    assert reload.identity == untied["ids"][0]
+    assert_matches(_served(api)[0], untied["refs"][0])
+
+
+def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gateway, untied, make_client):
+    api = Api(gateway.url)
+    serving = _served(api)[1]
+    index = untied["ids"].index(serving)
+    process = gateway.engine.replicas[0].process
+    for pid in process.pids():
+        os.kill(pid, signal.SIGKILL)
+    op_id = api.ops()[0]["spec"]["id"]
+    states = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        replica = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"][0]
+        states.append(replica["state"])
+        if "ERROR" in states and replica["state"] == "READY":
+            break
+        time.sleep(0.5)
+    assert "ERROR" in states and states[-1] == "READY", states[-5:]
+    got, stamped = _served(api)
+    assert stamped == serving
+    assert_matches(got, untied["refs"][index])
+    loader = _loader(gateway, make_client)
+    target = 1 if index != 1 else 2  # a delta that applies to what it serves (or, after the full, its chain)
+    loader.hot_load(untied["ids"][target], base_identity=untied["ids"][target - 1])
+    assert_matches(_served(api)[0], untied["refs"][target])
+
+
+def test_tied_embeddings_are_switched_by_a_restart_and_served_exactly(tmp_path_factory, make_client):
+    chain = _chain(tmp_path_factory.mktemp("tied"), tied=True)
+    refs = [transformers_greedy(m) for m in chain["models"]]
+    server = _gateway(chain, tmp_path_factory.mktemp("gw-tied") / "work")
+    try:
+        api = Api(server.url)
+        assert_matches(_served(api)[0], refs[0])
+        pids = server.engine.replicas[0].process.pids()
+        loader = _loader(server, make_client)
+        loader.hot_load(chain["ids"][1], base_identity=chain["ids"][0])
+        got, stamped = _served(api)
+        assert stamped == chain["ids"][1]
+        assert_matches(got, refs[1])
+        assert not set(pids) & set(server.engine.replicas[0].process.pids()), "tied: expected a restarted engine"
+    finally:
+        server.shutdown()

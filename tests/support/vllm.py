@@ -1,0 +1,79 @@
+"""Helpers of the tests against real vLLM (CPU build, in its own venv): skip when the venv is
+missing (fail with POSTTRAIN_REQUIRE_VLLM=1), tiny models vLLM can run, and transformers'
+greedy answers to compare with."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+PROMPTS = [[10, 20, 30], [5, 6, 7, 8, 9, 100, 200]]
+MAX_TOKENS = 6
+TOL = 1e-5
+
+Greedy = list[tuple[list[int], list[float]]]
+
+
+def require_vllm() -> None:
+    """Skip the calling test module without vLLM's venv, or fail it when the run requires vLLM."""
+    from posttrain.serve.vllm.process import default_python
+
+    if default_python().is_file():
+        return
+    reason = f"vLLM's venv is missing ({default_python()}); run scripts/services/setup-vllm.sh"
+    if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
+        pytest.fail(f"POSTTRAIN_REQUIRE_VLLM=1 but {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def vllm_model(path: Path, *, seed: int = 0, tied: bool = False) -> Path:
+    """A tiny float32 Qwen2 that vLLM's CPU build runs (head_dim 32), tied or not."""
+    from posttrain.models.tiny import build_tiny_model
+
+    return build_tiny_model(path, seed=seed, hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied)
+
+
+def perturbed(src: Path, dst: Path, seed: int, scale: float = 0.05) -> Path:
+    """``src`` with every weight moved by Gaussian noise, saved with transformers (ties kept)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    model.save_pretrained(dst)
+    for name in os.listdir(src):  # the tokenizer files
+        if name.startswith(("tokenizer", "special_tokens")) and not (dst / name).exists():
+            (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> Greedy:
+    """Greedy tokens and their logprobs under transformers, in float64 softmax over float32 logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, toks, lps = list(prompt), [], []
+            for _ in range(max_tokens):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+                t = int(torch.argmax(logp))
+                toks.append(t)
+                lps.append(float(logp[t]))
+                ids.append(t)
+            out.append((toks, lps))
+    return out
+
+
+def assert_matches(got: Greedy, want: Greedy, tol: float = TOL) -> None:
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt, f"greedy tokens differ: {gt} != {wt}"
+        worst = max(abs(x - y) for x, y in zip(gl, wl, strict=True))
+        assert worst <= tol, f"logprobs differ by {worst:.2e} (> {tol:g})"
