@@ -27,12 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="environment variable holding the bearer token (default CW_API_TOKEN)")
     token.add_argument("--token-file", type=Path, help="file whose first line is the bearer token")
     p.add_argument("--work-dir", type=Path, help="snapshot cache and rebuilt weights (default: a temporary folder)")
-    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                   help="what serves: reference (transformers in this process, the default) or vllm (a hot-load "
-                   "gateway in front of vLLM servers)")
+    p.add_argument("--engine", choices=["reference", "vllm", "sglang"], default="reference",
+                   help="what serves: reference (transformers in this process, the default), vllm (a hot-load "
+                   "gateway in front of vLLM servers) or sglang (a hot-load gateway in front of SGLang servers "
+                   "someone else runs: not started, supervised or restarted by the gateway)")
     p.add_argument("--engine-url", action="append", default=[], dest="engine_urls", metavar="URL",
                    help="vllm: a vLLM server someone else runs (repeat for more replicas); without any, the "
-                   "gateway starts --replicas vLLM servers itself and restarts one that dies")
+                   "gateway starts --replicas vLLM servers itself and restarts one that dies. sglang (required): "
+                   "an SGLang server (repeat for more replicas) that reads --work-dir at the same paths")
     p.add_argument("--engine-python", type=Path,
                    help="vllm: Python of vLLM's venv (default $VLLM_VENV/bin/python, else .venv-vllm/bin/python)")
     p.add_argument("--engine-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -61,6 +63,8 @@ def _engine_fields(args: argparse.Namespace) -> dict:
     """The vLLM settings given on the command line (none for the reference engine)."""
     if args.engine == "reference":
         return {}
+    if args.engine == "sglang":
+        return {"engine_urls": args.engine_urls}
     vllm = {"dtype": args.engine_dtype, "max_model_len": args.engine_max_model_len, "extra_args": args.engine_args}
     if args.engine_python is not None:
         vllm["python"] = args.engine_python

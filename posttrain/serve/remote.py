@@ -17,7 +17,7 @@ embeddings its CPU build keeps the old LM head. So a hot-load here:
 
 A replica is an engine server this gateway started and supervises (an ``EngineProcess``:
 restarted on the served version when it dies, reported ERROR until then), or one at a URL that
-someone else runs. Engine kinds plug in an ``EngineClient`` (``vllm.client``, ``sglang``).
+someone else runs (reported ERROR while it does not answer its health probe). Engine kinds plug in an ``EngineClient`` (``vllm.client``, ``sglang``).
 """
 
 from __future__ import annotations
@@ -72,11 +72,9 @@ class RemoteEngine:
         self._gate = Gate()
         self._turn = itertools.count()
         self._closed = threading.Event()
-        self._monitor = None
-        if any(r.process is not None for r in replicas):
-            self._monitor = threading.Thread(target=self._watch, args=(monitor_interval_s,), name="vllm-monitor",
-                                             daemon=True)
-            self._monitor.start()
+        self._monitor = threading.Thread(target=self._watch, args=(monitor_interval_s,), name=f"{kind}-monitor",
+                                         daemon=True)
+        self._monitor.start()
 
     # ------------------------------------------------------------------ Engine
     def current(self) -> Served:
@@ -201,9 +199,12 @@ class RemoteEngine:
             time.sleep(0.5)
 
     def _watch(self, interval: float) -> None:
-        """Restart a supervised engine that died, on the version served now; ERROR until it is back."""
+        """Restart a supervised engine that died, on the version served now; ERROR until it is back.
+        A replica at a URL is ERROR while it does not answer its health probe."""
         while not self._closed.wait(interval):
             for r in self.replicas:
+                if r.process is None and not self._closed.is_set():
+                    self._probe(r)
                 if r.process is None or r.restarting or self._closed.is_set():
                     continue
                 if r.process.alive():
@@ -220,6 +221,16 @@ class RemoteEngine:
                     r.error = f"the engine died and did not restart: {e}"
                 finally:
                     r.restarting = False
+
+    def _probe(self, r: Replica) -> None:
+        unreachable = f"{self.kind} at a URL does not answer its health probe; whoever runs it must restart it"
+        healthy = r.client.health()
+        if not healthy and r.error is None:
+            r.error = unreachable
+            log.warning("%s: %s", r.name, r.error)
+        elif healthy and r.error == unreachable:  # other errors (a failed restore) stay
+            r.error = None
+            log.info("%s answers again", r.name)
 
 
 def _add_model_files(folder: Path, boot_dir: Path) -> None:

@@ -29,13 +29,15 @@ class ServeConfig(BaseModel):
     work_dir: Path | None = Field(
         None, description="Snapshot cache and reconstructed weights (default: a temporary folder, removed on exit)."
     )
-    engine: Literal["reference", "vllm"] = Field(
-        "reference", description="What serves: reference (transformers in this process) or vllm (vLLM servers "
-        "behind this gateway)."
+    engine: Literal["reference", "vllm", "sglang"] = Field(
+        "reference", description="What serves: reference (transformers in this process), vllm (vLLM servers "
+        "behind this gateway) or sglang (SGLang servers someone else runs, behind this gateway)."
     )
     engine_urls: list[str] = Field(
         default_factory=list, description="vllm: URLs of vLLM servers someone else runs, one replica each; "
-        "without any, the gateway starts `replicas` vLLM servers itself and restarts one that dies."
+        "without any, the gateway starts `replicas` vLLM servers itself and restarts one that dies. sglang "
+        "(required): URLs of SGLang servers someone else runs, one replica each; they must read the gateway's "
+        "work_dir at the same paths."
     )
     vllm: VLLMProcessConfig = Field(
         default_factory=VLLMProcessConfig, description="vllm: how the gateway runs the vLLM servers it starts "
@@ -63,6 +65,15 @@ class ServeConfig(BaseModel):
             for name in ("engine_urls", "vllm"):
                 if name in self.model_fields_set:
                     raise ValueError(f"{name} is for --engine vllm; the reference engine serves in this process")
+        if self.engine == "sglang":
+            if not self.engine_urls:
+                raise ValueError("engine sglang needs engine_urls (--engine-url): the SGLang servers to put the "
+                                 "gateway in front of; the gateway does not start SGLang")
+            if "vllm" in self.model_fields_set:
+                raise ValueError("vllm is for --engine vllm, not sglang")
+            if self.reload == "restart":
+                raise ValueError("reload restart needs an engine the gateway starts; with sglang use auto or "
+                                 "in-place")
         for i, url in enumerate(self.engine_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine_urls[{i}]: {url!r} is not an http(s) URL")

@@ -115,6 +115,10 @@ def open_engine(config: ServeConfig) -> Engine:
         from posttrain.serve.vllm.engine import open_vllm_engine
 
         return open_vllm_engine(config)
+    if config.engine == "sglang":
+        from posttrain.serve.sglang import open_sglang_engine
+
+        return open_sglang_engine(config)
     from posttrain.serve.reference import ReferenceEngine
 
     return ReferenceEngine(config)

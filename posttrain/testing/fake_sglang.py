@@ -20,9 +20,10 @@ Routes::
     POST /pause_generation              {"mode": "abort" | "retract" | "in_place"}
     POST /continue_generation           {}
     GET|POST /flush_cache               200 text; 400 text while paused in place with requests held
-    POST|PUT /generate                  input_ids (or text), sampling_params, return_logprob
+    POST|PUT /generate                  input_ids (or text), sampling_params (one, or one per
+                                        prompt of a batch), return_logprob
 
-The "model" is a folder of ``*.safetensors`` files plus a version string. An update
+The "model" (``fake_sglang_model``) is a folder of ``*.safetensors`` files plus a version string. An update
 checks the new folder the way SGLang observably does: a missing folder fails with
 "Failed to get weights iterator: ..." (HTTP 400, ``success: false``); a folder without
 safetensors, a tensor the served model does not have, or a tensor whose shape differs
@@ -35,7 +36,7 @@ a later pause with mode ``abort`` answers the waiting ones with ``finish_reason`
 ``abort`` and no tokens, as does waiting longer than ``generate_wait_s``.
 
 Test hooks: ``requests`` (log of (method, path, body)), ``fail_next(route, status, body)``,
-``set_healthy(False)``, ``die()`` (stop answering: the listening socket is closed),
+``set_healthy(False)``, ``die()`` (stop answering: the listening socket and open connections are closed),
 ``held`` (number of /generate calls waiting while generation is paused).
 
 Not modelled: real inference or tokenization (``text`` prompts are turned into bytes as
@@ -48,9 +49,8 @@ API keys, and the multi-tokenizer mode.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -60,27 +60,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-VOCAB_SIZE = 32000
+from posttrain.testing.fake_sglang_model import (
+    DEFAULT_MAX_NEW_TOKENS,
+    check_update,
+    one_output,
+    safetensors_shapes,
+)
+
 PAUSE_MODES = ("abort", "retract", "in_place")
-DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams.max_new_tokens default in SGLang
-ROLLBACK = "\nRolling back to original weights."
 FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
-
-
-def safetensors_shapes(folder: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape over every ``*.safetensors`` file in ``folder`` (headers only)."""
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with file.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                shapes[name] = list(meta["shape"])
-    return shapes
 
 
 @dataclass
@@ -133,6 +124,7 @@ class FakeSGLang:
         self._server.fake = self  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
         self._dead = False
+        self._conns: set[socket.socket] = set()  # open keep-alive connections, closed by die()
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -155,8 +147,16 @@ class FakeSGLang:
             self._server.server_close()
 
     def die(self) -> None:
-        """Stop answering: close the listening socket; later connections are refused."""
+        """Stop answering, as a killed process would: close the listening socket (later connections are
+        refused) and every open connection (a pooled keep-alive connection gets a reset)."""
         self.stop()
+        with self._cond:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self) -> FakeSGLang:
         return self.start()
@@ -227,27 +227,8 @@ class FakeSGLang:
     def _update_weights_from_disk(self, body: Mapping[str, Any]) -> tuple[int, Any]:
         if not isinstance(body.get("model_path"), str):
             return _validation_error("model_path: Field required")
-        path = body["model_path"]
-        folder = Path(path)
-        ok, message = True, "Succeeded to update model weights."
-        if not folder.is_dir():
-            ok, message = False, f"Failed to get weights iterator: {path} (repository not found)."
-        else:
-            new = safetensors_shapes(folder)
-            if not new:
-                ok, message = False, f"Failed to get weights iterator: Cannot find any model weights with `{path}`."
-            else:
-                current = self._state.shapes
-                for name, shape in new.items():
-                    if name not in current:
-                        ok, message = False, f"Failed to update weights: '{name}'.{ROLLBACK}"
-                        break
-                    if shape != current[name]:
-                        ok, message = False, (
-                            f"Failed to update weights: size mismatch for {name}: "
-                            f"param {current[name]}, loaded {shape}.{ROLLBACK}"
-                        )
-                        break
+        ok, message, new = check_update(body["model_path"], self._state.shapes)
+        folder = Path(body["model_path"])
         with self._cond:
             if ok:
                 self._state.model_path = str(folder)
@@ -294,7 +275,10 @@ class FakeSGLang:
         batch = isinstance(prompts[0], list)
         items = prompts if batch else [prompts]
         params = body.get("sampling_params") or {}
-        max_new = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        per_item = params if isinstance(params, list) else [params] * len(items)  # a list: one per prompt
+        if len(per_item) != len(items):
+            return 400, {"error": {"message": "The length of sampling_params does not match the batch size."}}
+        max_new = [int((p or {}).get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)) for p in per_item]
         with self._cond:
             self._state.held += 1
             try:
@@ -310,7 +294,7 @@ class FakeSGLang:
             finally:
                 self._state.held -= 1
         outs = [
-            _one_output(f"{rid:032x}-{i}", p, max_new, folder, version, bool(body.get("return_logprob")), aborted)
+            one_output(f"{rid:032x}-{i}", p, max_new[i], folder, version, bool(body.get("return_logprob")), aborted)
             for i, p in enumerate(items)
         ]
         return 200, (outs if batch else outs[0])
@@ -319,34 +303,6 @@ class FakeSGLang:
 def _validation_error(detail: str) -> tuple[int, Any]:
     # http_server.py validation_exception_handler: 400 with an OpenAI-style ErrorResponse
     return 400, {"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400}
-
-
-def _one_output(
-    rid: str, prompt: list[int], max_new: int, folder: str, version: str, logprobs: bool, aborted: bool
-) -> dict[str, Any]:
-    n = 0 if aborted else max_new
-    ids: list[int] = []
-    lps: list[float] = []
-    for i in range(n):
-        digest = hashlib.sha256(f"{folder}|{version}|{prompt}|{i}".encode()).digest()
-        ids.append(int.from_bytes(digest[:4], "little") % VOCAB_SIZE)
-        lps.append(-int.from_bytes(digest[4:6], "little") / 8192.0)
-    finish = (
-        {"type": "abort", "message": "Abort before prefill"} if aborted else {"type": "length", "length": n}
-    )
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": len(prompt),
-        "weight_version": version,
-        "completion_tokens": n,
-        "cached_tokens": 0,
-        "e2e_latency": 0.0,
-    }
-    if logprobs:
-        meta["input_token_logprobs"] = [[None, prompt[0], None]] + [[-1.0, t, None] for t in prompt[1:]]
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-    return {"text": " ".join(str(t) for t in ids), "output_ids": ids, "meta_info": meta}
 
 
 ROUTES: dict[tuple[str, str], str] = {
@@ -367,6 +323,18 @@ ROUTES: dict[tuple[str, str], str] = {
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        fake: FakeSGLang = self.server.fake  # type: ignore[attr-defined]
+        with fake._cond:
+            fake._conns.add(self.connection)
+
+    def finish(self) -> None:
+        fake: FakeSGLang = self.server.fake  # type: ignore[attr-defined]
+        with fake._cond:
+            fake._conns.discard(self.connection)
+        super().finish()
 
     def do_GET(self) -> None:
         self._dispatch("GET")

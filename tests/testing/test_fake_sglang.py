@@ -193,3 +193,21 @@ def test_hooks_fail_next_log_and_die(fake: FakeSGLang) -> None:
 
 def test_safetensors_shapes(tmp_path: Path) -> None:
     assert safetensors_shapes(_weights(tmp_path / "w", SHAPES)) == {n: list(s) for n, s in SHAPES.items()}
+
+
+def test_a_batch_takes_one_sampling_params_per_prompt(fake: FakeSGLang) -> None:
+    body = {"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3}]}
+    status, outs = _call(fake.url + "/generate", "POST", body)
+    assert status == 200 and [len(o["output_ids"]) for o in outs] == [1, 3]
+    status, err = _call(fake.url + "/generate", "POST", {**body, "sampling_params": [{}]})
+    assert status == 400 and "does not match the batch size" in err["error"]["message"]
+
+
+def test_die_also_drops_open_keep_alive_connections(fake: FakeSGLang) -> None:
+    import requests
+
+    with requests.Session() as session:
+        assert session.get(fake.url + "/get_model_info", timeout=5).status_code == 200
+        fake.die()
+        with pytest.raises(requests.ConnectionError):
+            session.get(fake.url + "/get_model_info", timeout=5)

@@ -1,0 +1,211 @@
+"""``posttrain serve --engine sglang``: the gateway in front of FakeSGLang servers (SGLang's wheels
+need CUDA; the fake follows SGLang's source, docs/sglang-http-api.md)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from posttrain.inference.contract import HotLoadFailed
+from posttrain.inference.protocol import API_PREFIX, STATE_COMPLETED, STATE_FAILED
+from posttrain.serve.completions import RequestError
+from posttrain.serve.engine import EngineCallError
+from posttrain.serve.serve_config import ServeConfig
+from posttrain.serve.sglang import from_generate, to_generate
+from posttrain.testing.fake_sglang import FakeSGLang
+from posttrain.testing.fake_sglang_model import one_output
+from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, Api
+
+SWITCH = ("/pause_generation", "/update_weights_from_disk", "/continue_generation")
+
+
+@pytest.fixture
+def fakes(chain):
+    """fakes(n) -> n started FakeSGLang servers on the boot model; stopped at teardown."""
+    started: list[FakeSGLang] = []
+
+    def make(n: int = 1) -> list[FakeSGLang]:
+        new = [FakeSGLang(chain.models[0]).start() for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield make
+    for f in started:
+        f.stop()
+
+
+@pytest.fixture
+def gateway(make_server, fakes):
+    """gateway(n, store=None) -> (the InferenceServer with engine sglang, its n fakes)."""
+
+    def make(n: int = 1, store: Path | None = None):
+        fs = fakes(n)
+        return make_server(store=store, engine="sglang", engine_urls=[f.url for f in fs]), fs
+
+    return make
+
+
+def _calls(fake: FakeSGLang, paths=SWITCH):
+    return [r for r in fake.requests if r.path in paths]
+
+
+def test_full_then_deltas_reload_sglang_and_completions_carry_the_version(gateway, make_client, chain):
+    server, (fake,) = gateway()
+    api = Api(server.url)
+    client = make_client(server)
+    for identity, base in ((chain.full, None), (chain.d1, chain.full), (chain.d2, chain.d1)):
+        result = client.hot_load(identity, base_identity=base)
+        assert result.state == STATE_COMPLETED
+        assert [(r.name, r.state, r.current_snapshot_identity) for r in result.replicas] == [
+            ("sglang-0", "READY", identity)]
+
+    calls = _calls(fake)
+    assert [c.path for c in calls] == list(SWITCH) * 3  # pause before and continue after each update
+    assert all(c.body == {"mode": "abort"} for c in calls if c.path == "/pause_generation")
+    update = calls[-2].body
+    folder = Path(update["model_path"])
+    assert folder.is_dir() and folder.is_relative_to(server.work_dir)  # the rebuilt folder, not the store's
+    assert update["weight_version"] == folder.name and update["flush_cache"] is True
+    assert (fake.model_path, fake.weight_version) == (str(folder), folder.name)
+
+    reply = api.complete(prompt=PROMPT, max_tokens=4, temperature=0, n=2)
+    assert reply["snapshot_identity"] == chain.d2 and reply["weight_version"] == folder.name
+    assert reply["object"] == "text_completion" and reply["model"] == "tiny"
+    expected = one_output("", PROMPT, 4, str(folder), folder.name, True, False)["output_ids"]
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    for choice in reply["choices"]:
+        assert choice["token_ids"] == expected  # the fake's tokens for the loaded folder
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in expected]
+        assert len(choice["logprobs"]["token_logprobs"]) == 4
+        assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
+        assert choice["finish_reason"] == "length" and "prompt_logprobs" not in choice
+    assert reply["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 8, "total_tokens": len(PROMPT) + 8}
+    generate = _calls(fake, ("/generate",))[-1].body
+    assert generate["input_ids"] == [PROMPT, PROMPT]  # n copies of the prompt, one batch
+    assert generate["sampling_params"] == {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0}
+    assert generate["return_logprob"] is True and generate["logprob_start_len"] == -1
+
+
+def _write_broken(chain, store: Path, tmp_path: Path, breakage: str) -> tuple[str, str]:
+    """A full snapshot of m0 with one tensor dropped or reshaped, added to ``store``'s chain."""
+    from safetensors.torch import load_file, save_file
+
+    from posttrain.chain.writer import ChainWriter
+
+    broken = tmp_path / f"broken-{breakage}"
+    shutil.copytree(chain.models[0], broken)
+    (shard,) = broken.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = sorted(n for n in tensors if ".layers.0." in n)[0]
+    if breakage == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name].flatten()[:-1].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    result = ChainWriter(store / PREFIX, run="r1").add(broken, step=9)
+    assert result.kind == "full"
+    return result.identity, name
+
+
+@pytest.mark.parametrize("breakage", ["missing", "shape"])
+def test_a_folder_that_does_not_fit_never_reaches_sglang(gateway, make_client, chain, store_copy, tmp_path, breakage):
+    identity, tensor = _write_broken(chain, store_copy, tmp_path, breakage)
+    server, (fake,) = gateway(store=store_copy)
+    api = Api(server.url)
+    client = make_client(server, fallback_to_full=False)
+    client.hot_load(chain.full)
+    before = len(_calls(fake))
+    with pytest.raises(HotLoadFailed) as info:
+        client.hot_load(identity)
+    assert tensor in str(info.value)
+    op = api.get(f"{API_PREFIX}/{info.value.operation_id}").json()["hotLoad"]
+    assert op["status"]["state"] == STATE_FAILED and tensor in op["status"]["conditions"][0]["message"]
+    assert len(_calls(fake)) == before  # no pause, no update: SGLang never saw the folder
+    assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] == chain.full
+
+
+def test_sglang_refusing_an_update_fails_the_hot_load_and_the_old_version_serves(gateway, make_client, chain):
+    server, (fake,) = gateway()
+    api = Api(server.url)
+    client = make_client(server, fallback_to_full=False)
+    client.hot_load(chain.full)
+    served = fake.model_path
+    fake.fail_next("/update_weights_from_disk", 400, {
+        "success": False, "message": "Failed to update weights: boom.\nRolling back to original weights.",
+        "num_paused_requests": 0})
+    with pytest.raises(HotLoadFailed) as info:
+        client.hot_load(chain.d1, base_identity=chain.full)
+    assert "Failed to update weights: boom." in str(info.value)
+    assert api.get(f"{API_PREFIX}/{info.value.operation_id}").json()["hotLoad"]["status"]["state"] == STATE_FAILED
+    assert fake.model_path == served and not fake.paused  # put back on the previous folder, generating
+    assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] == chain.full
+
+    assert client.hot_load(chain.d1, base_identity=chain.full).state == STATE_COMPLETED
+    assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] == chain.d1
+
+
+def test_a_dead_sglang_is_reported_error_and_the_other_replica_serves(gateway, make_client, chain):
+    server, fakes = gateway(2)
+    api = Api(server.url)
+    client = make_client(server, fallback_to_full=False)
+    op_id = client.hot_load(chain.full).operation_id
+    assert all(len(_calls(f)) == 3 for f in fakes)  # both replicas switched
+    fakes[1].die()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        states = {r["name"]: r for r in api.get(f"{API_PREFIX}/{op_id}/replicas").json()["replicas"]}
+        if states["sglang-1"]["state"] == "ERROR":
+            break
+        time.sleep(0.2)
+    assert states["sglang-0"]["state"] == "READY"
+    assert states["sglang-1"]["state"] == "ERROR" and "health probe" in states["sglang-1"]["errorReason"]
+    for _ in range(3):  # requests go to the replica that answers
+        assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] == chain.full
+    with pytest.raises(HotLoadFailed) as info:
+        client.hot_load(chain.d1, base_identity=chain.full)
+    assert "sglang-1" in str(info.value)
+
+
+# ---------------------------------------------------------------- translation and configuration
+
+def test_seed_and_several_prompts_give_one_seed_per_row_and_prompt_logprobs():
+    body = {"model": "tiny", "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2, "seed": 7, "prompt_logprobs": 1,
+            "logprobs": 1}
+    params, generate = to_generate(body)
+    assert generate["input_ids"] == [[1, 2], [1, 2], [3], [3]] and generate["logprob_start_len"] == 0
+    assert [p["sampling_seed"] for p in generate["sampling_params"]] == [7, 8, 9, 10]
+    outs = [one_output(str(i), p, 2, "/w", "v1", True, False) for i, p in enumerate(generate["input_ids"])]
+    reply = from_generate(params, outs, model="tiny", prompt_logprobs=True)
+    assert [c["prompt_index"] for c in reply["choices"]] == [0, 0, 1, 1]
+    assert reply["choices"][0]["prompt_logprobs"] == [None, {"2": {"logprob": -1.0}}]
+    assert reply["weight_version"] == "v1"
+
+
+def test_bad_bodies_and_aborted_requests_are_clear_errors():
+    with pytest.raises(RequestError, match="stop is not supported"):
+        to_generate({"model": "tiny", "prompt": [1], "stop": ["x"]})
+    with pytest.raises(RequestError, match="prompt_logprobs must be 0 or 1"):
+        to_generate({"model": "tiny", "prompt": [1], "prompt_logprobs": 5})
+    params, _ = to_generate({"model": "tiny", "prompt": [1]})
+    aborted = one_output("r", [1], 2, "/w", "v", True, aborted=True)
+    with pytest.raises(EngineCallError, match="SGLang aborted the request") as info:
+        from_generate(params, [aborted], model="tiny", prompt_logprobs=False)
+    assert info.value.status == 503
+
+
+def test_sglang_needs_engine_urls(chain, tmp_path):
+    fields = dict(model_dir=chain.models[0], deployment_id=DEPLOYMENT, store=str(tmp_path), token=SecretStr("t"),
+                  engine="sglang")
+    with pytest.raises(ValidationError, match="engine_urls"):
+        ServeConfig(**fields)
+    with pytest.raises(ValidationError, match="reload restart"):
+        ServeConfig(**fields, engine_urls=["http://127.0.0.1:1"], reload="restart")
+
+
+def test_an_sglang_that_does_not_answer_at_start_is_named(make_server):
+    with pytest.raises(ValueError, match=r"engine_urls\[0\] http://127.0.0.1:9: SGLang does not answer"):
+        make_server(engine="sglang", engine_urls=["http://127.0.0.1:9"])
