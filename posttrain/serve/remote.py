@@ -124,12 +124,13 @@ class RemoteEngine:
                 for r in self.replicas:
                     if r.error is not None:
                         raise EngineError(f"{r.name} is not serving ({r.error})")
-                    before = self._fingerprint(r)
                     switched.append(r)
-                    self._switch(r, folder, restart)
-                    if self._fingerprint(r) == before and not same_weights(folder, previous.path):
-                        raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it did not "
-                                          "take the new weights")
+                    with r.lock:  # the monitor leaves a replica alone while it is switched
+                        before = self._fingerprint(r)
+                        self._switch(r, folder, restart)
+                        if self._fingerprint(r) == before and not same_weights(folder, previous.path):
+                            raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it did "
+                                              "not take the new weights")
             except Exception as e:
                 log.warning("hot-load of %s failed (%s); putting %d replica(s) back on %s", identity, e,
                             len(switched), previous.identity or "the boot weights")
@@ -205,22 +206,27 @@ class RemoteEngine:
             for r in self.replicas:
                 if r.process is None and not self._closed.is_set():
                     self._probe(r)
-                if r.process is None or r.restarting or self._closed.is_set():
-                    continue
-                if r.process.alive():
-                    continue
-                r.restarting = True
-                r.error = f"the engine died; restarting it on {self._served.identity or 'the boot weights'}"
-                log.warning("%s: %s", r.name, r.error)
+                if r.process is None or self._closed.is_set() or not r.lock.acquire(blocking=False):
+                    continue  # a replica being switched or restored is not watched meanwhile
                 try:
-                    with r.lock:
-                        r.process.restart(self._served.path)
-                    r.error = None
-                    log.info("%s serves again", r.name)
-                except Exception as e:  # noqa: BLE001 - reported as the replica's state
-                    r.error = f"the engine died and did not restart: {e}"
+                    if not r.process.alive():
+                        self._revive(r)
                 finally:
-                    r.restarting = False
+                    r.lock.release()
+
+    def _revive(self, r: Replica) -> None:
+        """Restart a supervised engine that died on the version served now (the caller holds ``r.lock``)."""
+        r.restarting = True
+        r.error = f"the engine died; restarting it on {self._served.identity or 'the boot weights'}"
+        log.warning("%s: %s", r.name, r.error)
+        try:
+            r.process.restart(self._served.path)
+            r.error = None
+            log.info("%s serves again", r.name)
+        except Exception as e:  # noqa: BLE001 - reported as the replica's state
+            r.error = f"the engine died and did not restart: {e}"
+        finally:
+            r.restarting = False
 
     def _probe(self, r: Replica) -> None:
         unreachable = f"{self.kind} at a URL does not answer its health probe; whoever runs it must restart it"
