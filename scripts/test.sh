@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Set up .venv, start every service the tests need on 127.0.0.1 (single-node Slurm with
-# accounting, SeaweedFS S3, Prefect server), run the whole test suite, stop what it started.
+# accounting, SeaweedFS S3, Prefect server; vLLM's venv), run the whole test suite, stop what it started.
 #   PYTEST_ARGS   extra pytest arguments (e.g. "-k chain -x")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# vLLM (CPU build) in a venv of its own, cached outside the checkout so every clone reuses it.
+export VLLM_VENV="${VLLM_VENV:-$HOME/.cache/posttrain/venv-vllm}"
+bash scripts/services/setup-vllm.sh
+export POSTTRAIN_REQUIRE_VLLM=1
 export POSTTRAIN_SERVICES_DIR="${POSTTRAIN_SERVICES_DIR:-/tmp/posttrain-services}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
