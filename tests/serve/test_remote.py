@@ -1,0 +1,112 @@
+"""RemoteEngine's switch and restore logic with engine servers of our own making (the real-vLLM
+tests are in tests/serve/vllm): what happens when a replica fails mid-switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.serve.engine import EngineCallError, EngineError
+from posttrain.serve.remote import RemoteEngine, Replica
+from tests.support.tensors import save_torch_checkpoint
+
+
+class Server:
+    """An engine server that serves whatever folder it last loaded; ``break_on`` folders break it."""
+
+    def __init__(self, folder: Path, break_on: set[str] = frozenset()):
+        self.folder, self.break_on, self.broken, self.calls = folder, break_on, False, []
+
+    def health(self) -> bool:
+        return not self.broken
+
+    def complete(self, body: dict) -> dict:
+        if self.broken:
+            raise EngineCallError(500, "EngineCore encountered an issue")
+        value = float(torch.load(self.folder / "w.pt")) if (self.folder / "w.pt").exists() else 0.0
+        return {"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [value]}}]}
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def reload(self, folder: Path) -> None:
+        self.calls.append(f"reload {folder.name}")
+        if folder.name in self.break_on:
+            self.broken = True
+            raise EngineCallError(500, "reload failed")
+        self.folder = folder
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def close(self) -> None:
+        pass
+
+
+class Supervisor:
+    def __init__(self, server: Server):
+        self.server, self.restarts = server, []
+
+    def alive(self) -> bool:
+        return True
+
+    def restart(self, model_dir: Path | None = None) -> None:
+        self.restarts.append(model_dir.name)
+        self.server.broken, self.server.folder = False, model_dir
+
+    def stop(self) -> None:
+        pass
+
+
+def _version(root: Path, name: str, value: float) -> Path:
+    folder = save_torch_checkpoint(root / name, {"w": torch.full((4,), value)})
+    torch.save(torch.tensor(value), folder / "w.pt")  # what the fake server "answers" with this folder
+    return folder
+
+
+@pytest.fixture
+def versions(tmp_path):
+    return {name: _version(tmp_path, name, v) for name, v in (("boot", 0.0), ("v1", 1.0), ("v2", 2.0))}
+
+
+def _engine(versions, servers, supervised=True):
+    replicas = [Replica(f"r{i}", s, Supervisor(s) if supervised else None) for i, s in enumerate(servers)]
+    return RemoteEngine(kind="fake", model_dir=versions["boot"], model_name="m", replicas=replicas,
+                        monitor_interval_s=3600)
+
+
+def test_a_reload_that_breaks_one_replica_puts_every_replica_back(versions):
+    good, bad = Server(versions["boot"]), Server(versions["boot"], break_on={"v1"})
+    engine = _engine(versions, [good, bad])
+    with pytest.raises(EngineCallError, match="reload failed"):
+        engine.load(versions["v1"], "v1")
+    assert engine.current().path == versions["boot"]
+    assert good.folder == versions["boot"] and good.calls[-3:] == ["pause", "reload boot", "resume"]
+    assert bad.folder == versions["boot"] and engine.replicas[1].process.restarts == ["boot"]
+    assert engine.replica_errors() == {}
+    engine.load(versions["v2"], "v2")  # the next hot-load succeeds
+    assert (good.folder, bad.folder) == (versions["v2"], versions["v2"])
+    engine.close()
+
+
+def test_a_replica_someone_else_runs_is_reported_when_a_reload_broke_it(versions):
+    server = Server(versions["boot"], break_on={"v1"})
+    engine = _engine(versions, [server], supervised=False)
+    with pytest.raises(EngineCallError):
+        engine.load(versions["v1"], "v1")
+    assert "restart it" in engine.replica_errors()["r0"]
+    with pytest.raises(EngineError, match="r0 is not serving"):
+        engine.load(versions["v2"], "v2")
+    engine.close()
+
+
+def test_a_reload_the_engine_ignores_is_caught(versions):
+    server = Server(versions["boot"])
+    server.reload = lambda folder: server.calls.append("ignored")  # answers 200, keeps the old weights
+    engine = _engine(versions, [server])
+    with pytest.raises(EngineError, match="answers exactly as before"):
+        engine.load(versions["v1"], "v1")
+    assert engine.current().identity is None
+    engine.close()
