@@ -9,79 +9,41 @@ transformers' and logprobs agree within 1e-5.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from posttrain.serve.engine import EngineCallError, EngineUnavailable
+from posttrain.serve.engine import EngineCallError
 from posttrain.serve.vllm import EngineStartError, VLLMProcess, VLLMProcessConfig
-from posttrain.serve.vllm.process import default_python, group_pids
+from posttrain.serve.vllm.process import group_pids
+from tests.support.vllm import (
+    MAX_TOKENS,
+    PROMPTS,
+    Greedy,
+    assert_matches,
+    perturbed,
+    require_vllm,
+    transformers_greedy,
+    vllm_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-if not default_python().is_file():
-    reason = f"vLLM's venv is missing ({default_python()}); run scripts/services/setup-vllm.sh"
-    if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
-        pytest.fail(f"POSTTRAIN_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-    pytest.skip(reason, allow_module_level=True)
-
+require_vllm()
 NAME = "tiny"
-PROMPTS = [[10, 20, 30], [5, 6, 7, 8, 9, 100, 200]]
-MAX_TOKENS = 6
-TOL = 1e-5
-
-Greedy = list[tuple[list[int], list[float]]]
-
-
-def _perturbed_copy(src: Path, dst: Path) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(src / "model.safetensors")
-    assert "lm_head.weight" in weights, "the model must be untied (vLLM on CPU reloads tied ones wrongly)"
-    g = torch.Generator().manual_seed(1)
-    noisy = {k: (v + 0.05 * torch.randn(v.shape, generator=g)).contiguous() for k, v in weights.items()}
-    save_file(noisy, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
-def _transformers_greedy(model_dir: Path) -> Greedy:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids, toks, lps = list(prompt), [], []
-            for _ in range(MAX_TOKENS):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
-                t = int(torch.argmax(logp))
-                toks.append(t)
-                lps.append(float(logp[t]))
-                ids.append(t)
-            out.append((toks, lps))
-    return out
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from posttrain.models.tiny import build_tiny_model
-
     root = tmp_path_factory.mktemp("vllm-models")
-    a = build_tiny_model(
-        root / "a", seed=0, hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=False
-    )
-    return {"a": a, "b": _perturbed_copy(a, root / "b")}
+    a = vllm_model(root / "a")
+    return {"a": a, "b": perturbed(a, root / "b", seed=1)}
 
 
 @pytest.fixture(scope="module")
 def refs(models: dict[str, Path]) -> dict[str, Greedy]:
-    out = {k: _transformers_greedy(v) for k, v in models.items()}
+    out = {k: transformers_greedy(v) for k, v in models.items()}
     assert out["a"] != out["b"], "the perturbation must change the greedy outputs"
     return out
 
@@ -112,12 +74,6 @@ def _greedy(engine: VLLMProcess) -> Greedy:
     return out
 
 
-def _assert_matches(got: Greedy, want: Greedy) -> None:
-    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
-        assert gt == wt
-        assert max(abs(x - y) for x, y in zip(gl, wl, strict=True)) <= TOL
-
-
 def _reload(engine: VLLMProcess, folder: Path) -> None:
     with engine.client() as client:
         client.pause()
@@ -136,7 +92,7 @@ def test_completion_matches_transformers(engine: VLLMProcess, refs: dict[str, Gr
         with pytest.raises(EngineCallError) as err:
             client.complete({"model": "no-such-model", "prompt": [1], "max_tokens": 1})
         assert err.value.status == 404 and "no-such-model" in err.value.message
-    _assert_matches(_greedy(engine), refs["a"])
+    assert_matches(_greedy(engine), refs["a"])
 
 
 def test_reload_in_place_serves_the_new_weights(
@@ -144,9 +100,9 @@ def test_reload_in_place_serves_the_new_weights(
 ) -> None:
     pids = engine.pids()
     _reload(engine, models["b"])
-    _assert_matches(_greedy(engine), refs["b"])
+    assert_matches(_greedy(engine), refs["b"])
     _reload(engine, models["a"])
-    _assert_matches(_greedy(engine), refs["a"])
+    assert_matches(_greedy(engine), refs["a"])
     assert engine.pids() == pids, "a reload happens in place, in the same processes"
 
 
@@ -178,26 +134,7 @@ def test_failed_reload_breaks_the_engine_until_restart(
     engine.restart(models["a"])
     print(f"restart after a failed reload: {time.monotonic() - t0:.1f} s")
     assert engine.alive() and engine.model_dir == models["a"].resolve()
-    _assert_matches(_greedy(engine), refs["a"])
-
-
-def test_kill_9_then_restart(engine: VLLMProcess, refs: dict[str, Greedy]) -> None:
-    pids = engine.pids()
-    assert len(pids) >= 3, f"vLLM runs API server, EngineCore and worker; found {pids}"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while engine.pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert engine.pids() == []
-    assert not engine.alive()
-    with engine.client(timeout=5) as client, pytest.raises(EngineUnavailable):
-        client.complete({"model": NAME, "prompt": [1], "max_tokens": 1})
-    t0 = time.monotonic()
-    engine.restart()
-    print(f"restart after kill -9: {time.monotonic() - t0:.1f} s")
-    assert engine.alive()
-    _assert_matches(_greedy(engine), refs["a"])
+    assert_matches(_greedy(engine), refs["a"])
 
 
 def test_stop_leaves_no_process(engine: VLLMProcess) -> None:
