@@ -258,13 +258,13 @@ def run(data: Path, store_kind: str, endpoint: str | None, bucket: str | None, a
     out = []
     for r in rows:
         out.append([r["kind"], f"{r['mib']:.1f}", f"{r['pct']:.1f}%", fmt(r["encode"]), fmt(r["upload"]),
-                    fmt(r["download"]), fmt(r["rebuild"]), fmt(r["validate"]), fmt(r["reload"]),
+                    fmt(r["download"]), fmt(r["rebuild"]), f"{r['validate']:.3f}", fmt(r["reload"]),
                     f"{fmt(r['client'])} / **{fmt(r['total'])}**"])
     if delta is not None:
         known = delta["encode"] + delta["upload"] + delta["download"] + delta["rebuild"] + delta["validate"]
         out.append(["restart baseline (delta's stages, then `VLLMProcess.restart`)", f"{delta['mib']:.1f}",
                     f"{delta['pct']:.1f}%", fmt(delta["encode"]), fmt(delta["upload"]), fmt(delta["download"]),
-                    fmt(delta["rebuild"]), fmt(delta["validate"]), f"{fmt(restart)} (restart)",
+                    fmt(delta["rebuild"]), f"{delta['validate']:.3f}", f"{fmt(restart)} (restart)",
                     f"— / **{fmt(known + restart)}** (sum)"])
     table(["snapshot", "stored MiB", "of full", "encode", "upload", "download", "rebuild", "validate",
            "reload", "hot-load (client) / total"], out)
