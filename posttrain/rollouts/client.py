@@ -1,13 +1,16 @@
 """Client of an inference deployment's ``/v1/completions`` with token ids in and out.
 
 Token ids are taken from the reply (``token_ids``, or ``logprobs.tokens`` written
-``token_id:<int>``); text is never re-tokenized, which would be unsafe for RL.
+``token_id:<int>``); text is never re-tokenized, which would be unsafe for RL. The reply's
+``snapshot_identity`` (the weights that sampled it, stamped by posttrain's servers and gateways)
+comes back with the choices, so a caller can check which version it sampled from.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import requests
@@ -42,6 +45,24 @@ class Choice:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class Completion:
+    """The choices of one reply (in index order) and the snapshot identity that sampled them
+    (None when the deployment does not say). Iterates, indexes and unpacks as its choices."""
+
+    choices: list[Choice]
+    snapshot_identity: str | None
+
+    def __iter__(self) -> Iterator[Choice]:
+        return iter(self.choices)
+
+    def __len__(self) -> int:
+        return len(self.choices)
+
+    def __getitem__(self, i: int) -> Choice:
+        return self.choices[i]
+
+
 class CompletionsClient:
     def __init__(self, config: CompletionsConfig):
         self.config = config
@@ -53,7 +74,7 @@ class CompletionsClient:
         self.session.close()
 
     def complete(self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float) -> list[Choice]:
+                 top_p: float) -> Completion:
         body = {"model": self.config.model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, "logprobs": 1, "return_tokens_as_token_ids": True,
                 "echo": False}
@@ -61,7 +82,8 @@ class CompletionsClient:
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise CompletionsError(f"{self.config.gateway_url}: asked for {n} choices, got {len(choices)}")
-        return [_choice(c) for c in choices]
+        identity = reply.get("snapshot_identity")
+        return Completion([_choice(c) for c in choices], str(identity) if identity else None)
 
     def _post(self, path: str, body: dict) -> dict:
         url = self.config.gateway_url.rstrip("/") + path

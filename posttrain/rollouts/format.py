@@ -42,6 +42,9 @@ class Rollout(BaseModel):
     reward: float = Field(description="Scalar reward of the completion.")
     group_id: str | int = Field(description="Completions of one prompt share a group id; advantages are per group.")
     policy_version: int = Field(ge=0, description="Version of the policy that sampled the completion.")
+    snapshot_identity: str | None = Field(
+        None, description="Snapshot identity of the weights that sampled the completion, as the deployment "
+        "stamped its reply (unset in files written before it was recorded).")
     sample_id: str | None = Field(None, description="Optional id of the sample, for tracing.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Anything else worth keeping (not used).")
 

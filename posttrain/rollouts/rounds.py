@@ -16,10 +16,12 @@ def round_prompts(rows: list[dict[str, Any]], round: int, per_round: int) -> lis
 
 
 def shard_specs(rows: list[dict[str, Any]], *, round: int, per_round: int, shards: int, policy_version: int,
-                round_dir: Path) -> list[ShardSpec]:
+                round_dir: Path, identity: str | None = None) -> list[ShardSpec]:
+    """The round's shards; ``identity`` is the snapshot the deployment was hot-loaded with for the
+    round: every reply a shard samples must come from it (see ``run_shard``)."""
     prompts = round_prompts(rows, round, per_round)
     chunks = [prompts[i::shards] for i in range(shards) if prompts[i::shards]]
-    return [ShardSpec(round=round, shard=s, rows=chunk, policy_version=policy_version,
+    return [ShardSpec(round=round, shard=s, rows=chunk, policy_version=policy_version, identity=identity,
                       out_path=round_dir / f"shard-{s:03d}.jsonl") for s, chunk in enumerate(chunks)]
 
 

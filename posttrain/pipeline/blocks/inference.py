@@ -1,4 +1,20 @@
-"""Block for an inference deployment that hot-loads snapshots and serves rollouts."""
+"""Block for an inference deployment that hot-loads snapshots and serves rollouts.
+
+Two kinds of deployment speak what it needs (the hot-load v1alpha1 API and token-id
+``/v1/completions`` whose replies carry ``snapshot_identity``):
+
+- a CoreWeave inference deployment: ``api_url`` is CoreWeave's control plane, ``gateway_url`` the
+  deployment's data plane;
+- a ``posttrain serve`` gateway (``--engine vllm``, ``--engine sglang``, or the reference engine):
+  one URL serves both, so ``api_url`` = ``gateway_url`` = the gateway's URL (the one it prints);
+  ``deployment_id`` = its ``--deployment-id``; ``model`` = its ``--served-model-name``; ``token`` =
+  its bearer token (what ``--token-env``/``--token-file`` give it). Its ``--store``/``--prefix`` must
+  be where the run's ``ObjectStore`` block publishes, so it finds the snapshots it is asked to load.
+
+Every reply names the snapshot that sampled it; the GRPO flow checks it against the one it
+hot-loaded for the round, so a deployment another run hot-loads meanwhile fails the round's
+shards instead of mislabelling their rollouts.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +25,34 @@ from pydantic import Field, SecretStr
 
 
 class InferenceDeployment(Block):
-    """A deployment speaking CoreWeave's hot-load v1alpha1 contract and /v1/completions."""
+    """A deployment speaking CoreWeave's hot-load v1alpha1 contract and /v1/completions: a CoreWeave
+    deployment, or a ``posttrain serve --engine vllm|sglang`` gateway (see the module docstring)."""
 
     _block_type_name: ClassVar[str] = "posttrain Inference Deployment"
     _block_type_slug: ClassVar[str] = "posttrain-inference-deployment"
     _description: ClassVar[str] = "Where posttrain hot-loads published snapshots and samples rollouts."
     _code_example: ClassVar[str] = """
+A CoreWeave inference deployment:
+
 ```python
 from posttrain.pipeline.blocks import InferenceDeployment
 
 InferenceDeployment(gateway_url="https://my-gateway", deployment_id="dep-1", model="my-model",
                     token="...").save("prod")
+```
+
+A `posttrain serve` gateway in front of vLLM (or SGLang: `--engine sglang --engine-url ...`),
+reading the store the pipeline publishes to, here `ObjectStore(uri="s3://checkpoints/training/run-001")`
+(add `--s3-endpoint-url` for a non-AWS endpoint):
+
+```bash
+CW_API_TOKEN=... posttrain serve --engine vllm --model /models/base --served-model-name policy \\
+    --deployment-id grpo-vllm --store s3://checkpoints --prefix training/run-001 --port 8000
+```
+
+```python
+InferenceDeployment(api_url="http://gateway-host:8000", gateway_url="http://gateway-host:8000",
+                    deployment_id="grpo-vllm", model="policy", token="...").save("vllm")
 ```
 """
 
@@ -27,7 +60,7 @@ InferenceDeployment(gateway_url="https://my-gateway", deployment_id="dep-1", mod
     gateway_url: str = Field(description="Data-plane URL serving /v1/completions.")
     deployment_id: str = Field(description="Id of the deployment to hot-load.")
     model: str = Field(description="Model name the deployment serves.")
-    token: SecretStr = Field(description="Inference Admin token (CW_API_TOKEN); never logged.")
+    token: SecretStr = Field(description="Inference Admin token (CW_API_TOKEN), or a posttrain serve gateway's bearer token; never logged.")
     timeout_s: float = Field(1800.0, gt=0, description="Seconds one hot-load may take until replicas converge.")
     poll_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of a hot-load.")
     fallback_to_full: bool = Field(True, description="Publish and load a full snapshot when a delta fails to load.")

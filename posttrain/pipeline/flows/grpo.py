@@ -1,5 +1,8 @@
 """The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
-from the deployment as concurrent subflows, then trains one step on the cluster."""
+from the deployment as concurrent subflows, then trains one step on the cluster.
+
+Every rollout of round r carries policy version r and the snapshot identity hot-loaded for the
+round; a shard whose replies come from any other snapshot fails (``SnapshotMismatch``)."""
 
 from __future__ import annotations
 
@@ -48,8 +51,11 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         loaded = hot_load(snapshot, settings) if settings.inference else None
         t_load = time.perf_counter() - t0 - t_pub
         round_dir = run_dir / "rounds" / f"{r:04d}"
+        # The shards check that every reply comes from this snapshot: what was hot-loaded (a full
+        # snapshot when a delta fell back), else what was published.
+        identity = loaded.identity if loaded else snapshot.identity
         specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
-                            policy_version=r, round_dir=round_dir)
+                            policy_version=r, round_dir=round_dir, identity=identity)
         futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
                                          unmapped(current))
         shards = futures.result()

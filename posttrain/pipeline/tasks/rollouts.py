@@ -21,8 +21,9 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
         result = run_shard(spec, settings, client, tokenizer)
     finally:
         client.close()
-    get_run_logger().info("shard %d of round %d: %d samples, reward %.3f ± %.3f (policy v%d)", spec.shard,
-                          spec.round, result.samples, result.reward_mean, result.reward_std, result.policy_version)
+    get_run_logger().info("shard %d of round %d: %d samples, reward %.3f ± %.3f (policy v%d, snapshot %s)",
+                          spec.shard, spec.round, result.samples, result.reward_mean, result.reward_std,
+                          result.policy_version, result.snapshot_identity or "unknown")
     return result
 
 
