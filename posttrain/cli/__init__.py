@@ -19,8 +19,34 @@ class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser that names an unknown option before a missing subcommand.
+
+    argparse checks required subcommands inside ``parse_known_args``, before ``parse_args`` looks
+    at what was left over, so ``posttrain --bogus`` would say COMMAND is required. Subparsers
+    are created with the parent's class, so every level behaves the same way.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        subs = [a for a in self._actions
+                if isinstance(a, argparse._SubParsersAction) and a.required and a.dest != argparse.SUPPRESS]
+        for a in subs:
+            a.required = False
+        try:
+            ns, extras = super().parse_known_args(args, namespace)
+        finally:
+            for a in subs:
+                a.required = True
+        missing = [a for a in subs if getattr(ns, a.dest, None) is None]
+        if missing:
+            if extras:
+                self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"the following arguments are required: {missing[0].metavar or missing[0].dest}")
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="posttrain", description="Nightly RL post-training (GRPO) of language models as a Prefect pipeline."
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")

@@ -162,9 +162,12 @@ def _version_bytes(chain: Path, version: str, held: Path | None, boot: Path | No
 def cmd_verify(args: argparse.Namespace) -> int:
     from posttrain.chain.folder import ChainFolder
     from posttrain.chain.ops import verify_chain
+    from posttrain.cli import UsageError
 
     chain = ChainFolder(args.chain)
     total = sum(1 for _ in chain.ordered())
+    if total == 0:
+        raise UsageError(f"{args.chain} holds no snapshots (subfolders with an index); it is not a chain folder")
     paths = verify_chain(args.chain, boot_dir=args.boot, workers=args.workers)
     deltas = sum(len(p.deltas) for p in paths)
     print(f"{args.chain}: OK, {total} snapshots, {len(paths)} paths, {deltas} deltas verified")

@@ -122,6 +122,11 @@ def _watch(args: argparse.Namespace) -> int:
 
     if args.poll <= 0:
         raise UsageError("--poll must be a positive number of seconds")
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"{output_dir} is not a folder")
+    if args.once and not output_dir.exists():  # a running watch waits for the trainer to create it
+        raise UsageError(f"{output_dir} does not exist")
     if args.once:
         is_done = lambda: True  # noqa: E731
     elif args.done_file:
@@ -141,4 +146,6 @@ def _watch(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
+    if not output_dir.is_dir():  # the job ended (--done-file) and never created it
+        raise UsageError(f"{output_dir} does not exist")
     return 0

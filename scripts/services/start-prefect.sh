@@ -3,7 +3,7 @@
 # Idempotent. Prints one "PREFECT READY <api url> ..." line once /api/health
 # answers true.
 #
-#   PREFECT_PORT           (default 4200)
+#   PREFECT_PORT           (default 4200) the API and the UI (its /ui-settings names this port)
 #   PREFECT_UI=0           no UI (starts ~2 s faster)
 #   POSTTRAIN_PREFECT_DIR  (default $POSTTRAIN_SERVICES_DIR/prefect) home (prefect.db),
 #                          pid, log; workers/ for start-prefect-worker.sh
@@ -37,8 +37,11 @@ else
   [ -x "$BIN_DIR/prefect" ] || { echo "$BIN_DIR/prefect not found (set POSTTRAIN_BIN_DIR)" >&2; exit 1; }
   echo "$PORT" > "$RUN/port"
   ui=true; [ "${PREFECT_UI:-1}" = 0 ] && ui=false
-  # analytics off: no outside network, and it would only log failures
+  # analytics off: no outside network, and it would only log failures. The UI asks
+  # /ui-settings for its API URL, which Prefect derives from PREFECT_SERVER_API_PORT,
+  # not from --port: without these two the UI of a server on another port calls :4200.
   setsid env PREFECT_HOME="$RUN/home" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_ENABLED="$ui" \
+    PREFECT_SERVER_API_HOST=127.0.0.1 PREFECT_SERVER_API_PORT="$PORT" PREFECT_SERVER_UI_API_URL="$API" \
     "$BIN_DIR/prefect" server start --host 127.0.0.1 --port "$PORT" \
     </dev/null >>"$RUN/server.log" 2>&1 &
   echo $! > "$PIDF"

@@ -73,3 +73,41 @@ def test_chain_commands_import_neither_torch_nor_prefect(model_pair, tmp_path):
         "assert rc == 0 and not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_verify_of_a_folder_that_is_not_a_chain_is_an_error(model_pair):
+    base, _ = model_pair  # a model folder: files, no snapshot subfolders
+    proc = posttrain("chain", "verify", str(base), check=False)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip() == (f"posttrain: error: {base} holds no snapshots (subfolders with an index); "
+                                   "it is not a chain folder")
+
+
+def test_encode_shows_a_byte_progress_bar_on_a_terminal_only(model_pair, tmp_path):
+    import os
+    import pty
+
+    base, _ = model_pair
+    main_fd, tty_fd = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
+    env.pop("NO_COLOR", None)
+    with subprocess.Popen([sys.executable, "-m", "posttrain", "chain", "encode", str(base), "--out",
+                           str(tmp_path / "tty")], stdout=subprocess.PIPE, stderr=tty_fd, env=env) as proc:
+        os.close(tty_fd)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(main_fd, 4096)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert proc.wait(timeout=60) == 0
+    os.close(main_fd)
+    text = seen.decode(errors="replace")
+    assert "encoding" in text and "KiB" in text  # rich's DownloadColumn: bytes done / total
+
+    piped = posttrain("chain", "encode", str(base), "--out", str(tmp_path / "piped"))
+    assert piped.stderr == ""

@@ -29,7 +29,7 @@ class SlurmCluster(_ClusterBlock):
 from posttrain.pipeline.blocks import SlurmCluster
 from posttrain.cluster import SlurmConfig
 
-SlurmCluster(settings=SlurmConfig(shared_dir="/mnt/shared/posttrain", partition="h100", nodes=1,
+SlurmCluster(settings=SlurmConfig(shared_dir="/mnt/shared", partition="h100", nodes=1,
                                   gpus_per_node=8, image="/mnt/shared/images/posttrain.sqsh")).save("sunk")
 ```
 """
