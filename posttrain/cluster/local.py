@@ -162,7 +162,7 @@ def group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def stop_group(pgid: int, grace_s: float = 10.0) -> list[int]:
+def stop_group(pgid: int, grace_s: float = 5.0) -> list[int]:
     """SIGTERM every process of group ``pgid``, then SIGKILL what is left after ``grace_s``;
     returns the processes it found. Refuses the caller's own group."""
     if pgid == os.getpgrp():
