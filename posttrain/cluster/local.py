@@ -1,5 +1,10 @@
 """Local backend: the same ``JobSpec`` run on this machine by submitit's ``LocalExecutor``
-(one task; a Checkpointable is restarted after its timeout signal, up to ``max_requeues``)."""
+(one task; a Checkpointable is restarted after its timeout signal, up to ``max_requeues``).
+
+Each job runs in a session (and process group) of its own, led by submitit's controller: the
+job outlives the process that submitted it (a retried pipeline run follows it again), and
+whichever process knows the group id can tell whether it still runs or stop all of it
+(``group_alive``, ``stop_group``)."""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import os
 import pickle
 import shlex
 import signal
+import subprocess
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -93,7 +100,7 @@ class LocalBackend:
         # `env` execs python, so submitit's signals reach it directly (a shell would be in between)
         env = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(self.environment(spec).items()))
         python = f"env {env} {shlex.quote(sys.executable)}"
-        ex = submitit.LocalExecutor(folder=job_dir, max_num_timeout=cfg.max_requeues, python=python)
+        ex = _SessionExecutor(folder=job_dir, max_num_timeout=cfg.max_requeues, python=python)
         ex.update_parameters(
             timeout_min=(cfg.time_limit_s or 365 * 86400) / 60,
             gpus_per_node=cfg.gpus,
@@ -106,6 +113,78 @@ class LocalBackend:
         else:
             job = ex.submit(spec.function, *spec.args, **spec.kwargs)
         return LocalHandle(job, poll_s=cfg.poll_interval_s)
+
+
+class _SessionExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor, with its controller started in a new session (its pid is the
+    process group id of the whole job). Copies ``submitit.local.local.start_controller`` (no
+    ``setup`` support), adding ``start_new_session``: see ``posttrain.cluster.submitit_compat``."""
+
+    def _submit_command(self, command: str) -> submitit.local.local.LocalJob:
+        ntasks = self.parameters.get("tasks_per_node", 1)
+        gpus = range(self.parameters.get("gpus_per_node", 0))
+        env = dict(os.environ)
+        env.update(
+            SUBMITIT_LOCAL_NTASKS=str(ntasks),
+            SUBMITIT_LOCAL_COMMAND=command,
+            SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
+            SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
+            SUBMITIT_LOCAL_NODEID="0",
+            SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+            SUBMITIT_STDERR_TO_STDOUT="1" if self.parameters.get("stderr_to_stdout", False) else "",
+            SUBMITIT_EXECUTOR="local",
+            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in gpus),
+            SUBMITIT_LOCAL_WITH_SHELL="",
+        )
+        process = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(self.folder)], env=env,
+                                   start_new_session=True)
+        return submitit.local.local.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                                             tasks=list(range(ntasks)))
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # after the command name: state, ppid, pgrp
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` (a local job) still has a live process."""
+    return bool(group_members(pgid))
+
+
+def stop_group(pgid: int, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM every process of group ``pgid``, then SIGKILL what is left after ``grace_s``;
+    returns the processes it found. Refuses the caller's own group."""
+    if pgid == os.getpgrp():
+        raise ValueError(f"process group {pgid} is this process's own; a local job has a group of its own")
+    found = group_members(pgid)
+    if not found:
+        return []
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return found
+    deadline = time.monotonic() + grace_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 5
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 def _children(pid: int) -> list[int]:
@@ -128,6 +207,7 @@ class LocalHandle(HandleBase):
         self.poll_s = poll_s
         self.job_id = job.job_id
         self.log_path = str(job.paths.stdout)
+        self.pgid = int(job.job_id)  # the controller leads the job's own process group
         self._cancelled = False
 
     def _outcome(self) -> tuple[str, Any] | None:
@@ -144,10 +224,12 @@ class LocalHandle(HandleBase):
         if raw == "RUNNING":
             return JobState.RUNNING
         outcome = self._outcome()
-        if outcome is not None:
-            return JobState.COMPLETED if outcome[0] == "success" else JobState.FAILED
+        if outcome is not None and outcome[0] == "success":
+            return JobState.COMPLETED
         if self._cancelled:
             return JobState.CANCELLED
+        if outcome is not None:
+            return JobState.FAILED
         return JobState.FAILED if raw in ("FINISHED", "INTERRUPTED") else JobState.UNKNOWN
 
     def done(self) -> bool:
@@ -161,8 +243,10 @@ class LocalHandle(HandleBase):
             return ""
 
     def cancel(self) -> None:
+        """Stop every process of the job (its process group): TERM, then KILL after the grace."""
         self._cancelled = True
-        self._job.cancel()
+        stop_group(self.pgid)
+        self._job.get_info()  # reaps the controller
 
     def interrupt(self) -> None:
         """Send the timeout/preemption signal (USR2) to the job's task, as Slurm would: a

@@ -9,6 +9,8 @@ upgrade, check each of these against the new release (and run the Slurm tests):
   ``_make_submission_file_text``, ``_submitit_command_str`` and ``_num_tasks``.
 - ``SlurmJob.watcher``: the class attribute through which every job polls its state.
 - ``submitit.core.utils.JobPaths``: where a job's logs and result pickle are.
+- ``LocalExecutor._submit_command`` (in ``posttrain.cluster.local._SessionExecutor``): a copy of
+  ``submitit.local.local.start_controller`` that starts the controller in a session of its own.
 """
 
 from __future__ import annotations

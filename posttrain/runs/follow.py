@@ -59,6 +59,11 @@ class TrainingRun:
         """trainer.output_dir as this machine sees it; None when checkpoints cannot be watched."""
         return self.config.local_output_dir
 
+    @property
+    def pgid(self) -> int | None:
+        """The process group of the whole job, on the local backend (None elsewhere)."""
+        return getattr(self.handle, "pgid", None)
+
     def state(self) -> JobState:
         return self.handle.state()
 

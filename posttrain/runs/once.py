@@ -6,10 +6,12 @@ that record instead of submitting again. From the record, whichever process hold
 
 - ``handled_before``: the checkpoints an earlier attempt already handled (at or before the cursor);
 - ``checkpoints_to_handle``: the complete checkpoints still to handle, in step order, until the job ended;
-- ``wait_for_result``: wait for the job to end, then the result of the attempt that completed.
+- ``wait_for_result``: wait for the job to end, then the result of the attempt that completed;
+- ``cancel_job``: stop the job (scancel, the local process group, the Kubernetes Job deleted).
 
 Whether the job ended is read from its handle when this process submitted it, else from the
-trainer's results file, else from the scheduler. No Prefect here.
+trainer's results file, else from the scheduler (Slurm, Kubernetes) or the job's process
+group (local). No Prefect here.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class JobRecord(BaseModel):
     watch_dir: str | None = Field(
         None, description="Where this machine reads that folder (checkpoints, results); None when it cannot."
     )
+    pgid: int | None = Field(
+        None, description="Local jobs: the process group of the whole job (None on other backends)."
+    )
 
     def local_dir(self) -> Path:
         """The output folder as this machine sees it; a ValueError when it cannot see it."""
@@ -73,7 +78,8 @@ def submit_once(config: TrainingSettings, marker: Path) -> tuple[JobRecord, bool
     _RUNS[run.job_id] = run
     record = JobRecord(job_id=run.job_id, run_id=run.spec.run_id, name=run.spec.name, backend=config.backend,
                        log_path=run.log_path, output_dir=str(config.trainer.output_dir),
-                       watch_dir=None if run.watch_dir is None else str(run.watch_dir))
+                       watch_dir=None if run.watch_dir is None else str(run.watch_dir),
+                       pgid=getattr(run, "pgid", None))
     atomic_write(marker, record.model_dump_json(indent=2))
     return record, True
 
@@ -90,25 +96,70 @@ def results(record: JobRecord) -> list[TrainingResult]:
 
 def ended_check(record: JobRecord, cluster: ClusterConfig | None) -> Callable[[], bool]:
     """A callable telling whether the job ended. A job of an earlier process counts as ended once
-    it left a completed result; a local or Kubernetes one of an earlier process counts as ended
-    at once (only its checkpoints remain to be drained); a Slurm one is asked of the scheduler
-    (``cluster`` opens the backend that attaches to it)."""
+    it left a completed result; before that, a local one while its process group lives, a Slurm
+    or Kubernetes one by the scheduler's word (``cluster`` opens the backend that attaches to it;
+    a Kubernetes Job that is gone has ended). A local job recorded without its process group
+    counts as ended at once (only its checkpoints remain to be drained)."""
     run = live_run(record)
     if run is not None:
         return lambda: run.state().terminal
     handle: list[JobHandle] = []
 
     def ended() -> bool:
-        if record.backend != "slurm" or any(r.completed for r in results(record)):
+        if any(r.completed for r in results(record)):
+            return True
+        if record.backend == "local":
+            return record.pgid is None or not _local().group_alive(record.pgid)
+        if record.backend not in ("slurm", "k8s"):
             return True
         if not handle:
-            if cluster is None:
-                raise ValueError(f"job {record.job_id}: the Slurm cluster settings are needed to follow it")
-            log_dir = str(Path(record.log_path or ".").parent)
-            handle.append(open_backend(cluster).attach(record.job_id, log_dir))  # type: ignore[attr-defined]
-        return handle[0].state().terminal
+            handle.append(attach(record, cluster))
+        state = handle[0].state()
+        return state.terminal or (record.backend == "k8s" and state == JobState.UNKNOWN)  # the Job is gone
 
     return ended
+
+
+def _local():
+    from posttrain.cluster import local
+
+    return local
+
+
+def attach(record: JobRecord, cluster: ClusterConfig | None) -> JobHandle:
+    """A handle on a Slurm or Kubernetes job of an earlier process; ``cluster`` opens its backend."""
+    if cluster is None:
+        raise ValueError(f"job {record.job_id}: the cluster settings are needed to follow a {record.backend} job")
+    backend = open_backend(cluster)
+    if record.backend == "slurm":
+        return backend.attach(record.job_id, str(Path(record.log_path or ".").parent))  # type: ignore[attr-defined]
+    if record.backend == "k8s":
+        return backend.attach(record.job_id.split("/", 1)[-1])  # type: ignore[attr-defined]
+    raise ValueError(f"job {record.job_id}: cannot attach to a {record.backend} job")
+
+
+def cancel_job(record: JobRecord, cluster: ClusterConfig | None) -> str:
+    """Stop the job, whichever process submitted it: scancel on Slurm, the Job deleted (its pods
+    with it) on Kubernetes, the whole process group stopped (TERM, then KILL) locally. Returns
+    what was done, in words, for the log."""
+    run = live_run(record)
+    if record.backend == "local":
+        if run is not None:
+            run.cancel()
+        if record.pgid is None:
+            return (f"local job {record.job_id}: its process group was not recorded"
+                    + ("; its controller was stopped" if run is not None else "; nothing stopped"))
+        found = _local().stop_group(record.pgid)
+        if not found and run is None:
+            return f"local job {record.job_id} (process group {record.pgid}) had already ended"
+        return f"local job {record.job_id}: stopped process group {record.pgid} ({len(found)} processes)"
+    handle = run.handle if run is not None else attach(record, cluster)
+    state = handle.state()
+    if state.terminal:
+        return f"{record.backend} job {record.job_id} had already ended ({state.value})"
+    handle.cancel()
+    how = "scancel" if record.backend == "slurm" else "Job deleted with its pods"
+    return f"{record.backend} job {record.job_id} cancelled ({how}; was {state.value})"
 
 
 def job_ended(record: JobRecord, cluster: ClusterConfig | None = None) -> bool:

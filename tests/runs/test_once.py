@@ -191,3 +191,50 @@ def test_waiting_for_a_job_this_process_submitted_follows_its_handle(tmp_path, m
     with pytest.raises(RuntimeError, match="ended FAILED: out of memory"):
         once.wait_for_result(job, slurm(poll_interval_s=2), sleep=sleeps.append)
     assert sleeps == [2, 2]
+
+
+def _group(tmp_path, seconds: float):
+    """A real child process group (a shell and its sleep), as a local job's controller leads one."""
+    import subprocess
+
+    return subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds}; echo done"], start_new_session=True,
+                            stdout=subprocess.DEVNULL)
+
+
+def test_a_local_job_of_an_earlier_process_has_ended_only_when_its_process_group_has(tmp_path):
+    proc = _group(tmp_path, 1.5)
+    job = record(tmp_path, "local").model_copy(update={"pgid": proc.pid})
+    ended = once.ended_check(job, None)
+    assert not ended()  # still training: a retried run keeps following it
+    proc.wait(10)
+    assert ended()
+
+
+def test_a_local_job_with_a_completed_result_has_ended_even_while_its_group_lives(tmp_path):
+    proc = _group(tmp_path, 30)
+    try:
+        job = record(tmp_path, "local").model_copy(update={"pgid": proc.pid})
+        write_result(job, step=2)
+        assert once.job_ended(job)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cancel_job_stops_the_whole_process_group_of_a_local_job(tmp_path):
+    from posttrain.cluster.local import group_members
+
+    proc = _group(tmp_path, 60)
+    job = record(tmp_path, "local").model_copy(update={"pgid": proc.pid})
+    import time
+
+    deadline = time.monotonic() + 5
+    while len(group_members(proc.pid)) < 2 and time.monotonic() < deadline:  # the shell and its sleep
+        time.sleep(0.05)
+    assert len(group_members(proc.pid)) == 2
+    said = once.cancel_job(job, None)
+    assert f"stopped process group {proc.pid} (2 processes)" in said
+    proc.wait(5)
+    assert group_members(proc.pid) == []
+    assert once.job_ended(job)
+    assert "had already ended" in once.cancel_job(job, None)

@@ -15,11 +15,12 @@ from pydantic import BaseModel, ConfigDict
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.fsutil import atomic_write
 from posttrain.pipeline.settings import GrpoSettings, trainer_config
+from posttrain.pipeline.tasks.blocks import check_blocks
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import reward_curve, round_table
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import train_step
+from posttrain.pipeline.tasks.training import cancel_submitted, train_step
 from posttrain.rollouts.rounds import pooled_rewards, shard_specs
 from posttrain.rollouts.shard import merge_rollouts
 
@@ -35,11 +36,13 @@ class GrpoReport(BaseModel):
     run_dir: str
 
 
-@flow(name="grpo", log_prints=True)
+@flow(name="grpo", log_prints=True, on_cancellation=[cancel_submitted(GrpoSettings)],
+      on_crashed=[cancel_submitted(GrpoSettings)])
 def grpo(settings: GrpoSettings) -> GrpoReport:
     logger = get_run_logger()
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
+    check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
     staged = stage(settings.dataset, settings.shared_dir)
     rows = read_staged_rows(staged.manifest_path)
     current = settings.base_model

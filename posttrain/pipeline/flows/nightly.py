@@ -11,10 +11,11 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from posttrain.pipeline.settings import NightlySettings, trainer_config
+from posttrain.pipeline.tasks.blocks import check_blocks
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import artifact_key
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import submit, watch_job
+from posttrain.pipeline.tasks.training import cancel_submitted, submit, watch_job
 from posttrain.runs.once import completed_result, handled_before
 
 
@@ -37,11 +38,13 @@ class NightlyReport(BaseModel):
     run_dir: str
 
 
-@flow(name="nightly-post-training", log_prints=True)
+@flow(name="nightly-post-training", log_prints=True, on_cancellation=[cancel_submitted(NightlySettings)],
+      on_crashed=[cancel_submitted(NightlySettings)])
 def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     logger = get_run_logger()
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
+    check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
     staged = stage(settings.dataset, settings.shared_dir)
     trainer = trainer_config(settings.trainer, mode="grpo", model_name_or_path=settings.base_model,
                              output_dir=run_dir / "output", dataset_manifest=staged.manifest_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from prefect import task
 from prefect.blocks.core import Block
 
 
@@ -15,3 +16,12 @@ def load_block(ref: str, what: str) -> Block:
         return Block.load(ref)
     except Exception as e:  # noqa: BLE001 - whatever Block.load raises, name the setting
         raise ValueError(f"{what}: cannot load block {ref!r} ({type(e).__name__}: {e})") from None
+
+
+@task(name="check-blocks")
+def check_blocks(cluster: str, store: str, inference: str | None) -> None:
+    """Load every block the run names before anything is submitted: a missing or broken one fails
+    the run here, the error naming its setting (cluster, store or inference)."""
+    for what, ref in (("cluster", cluster), ("store", store), ("inference", inference)):
+        if ref is not None:
+            load_block(ref, what)

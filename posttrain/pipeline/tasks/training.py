@@ -7,16 +7,17 @@ after a restart, is the engine's (``posttrain.runs.once``); here the cluster blo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.logging.loggers import flow_run_logger
 
 from posttrain.cluster import ClusterConfig
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.report import log_links
 from posttrain.runs.job import TrainingSettings
-from posttrain.runs.once import JobRecord, checkpoints_to_handle, job_name, submit_once, wait_for_result
+from posttrain.runs.once import JobRecord, cancel_job, checkpoints_to_handle, job_name, submit_once, wait_for_result
 from posttrain.trainer.checkpoints import CheckpointInfo
 from posttrain.trainer.config import TrainerConfig
 
@@ -55,3 +56,32 @@ def train_step(cluster_ref: str, run_name: str, round: int, trainer: TrainerConf
         raise RuntimeError(f"training step of round {round} saved no checkpoint ({job.output_dir})")
     get_run_logger().info("round %d: policy version %s at %s", round, result.policy_version, result.checkpoint)
     return str(result.checkpoint)
+
+
+def submitted_markers(run_dir: Path) -> list[Path]:
+    """The submit markers a run leaves: the nightly run's training job, each GRPO round's step."""
+    return [m for m in (run_dir / "training-job.json", *sorted(run_dir.glob("rounds/*/train-job.json"))) if m.exists()]
+
+
+def cancel_submitted(settings_model: type) -> Callable:
+    """A flow hook (``on_cancellation``, ``on_crashed``) cancelling every training job the flow
+    run submitted, found by the submit markers in its run folder. Not on failure: a retry
+    continues a failed run's job."""
+
+    def cancel_training_jobs(flow, flow_run, state) -> None:
+        logger = flow_run_logger(flow_run, flow)
+        settings = settings_model.model_validate(flow_run.parameters["settings"]).for_flow_run(str(flow_run.id))
+        markers = submitted_markers(settings.run_dir)
+        if not markers:
+            logger.info("flow run %s: no training job was submitted; nothing to cancel", state.name)
+            return
+        cluster = cluster_settings(settings.cluster)
+        for marker in markers:
+            record = JobRecord.model_validate_json(marker.read_text())
+            try:
+                logger.warning("flow run %s: %s", state.name, cancel_job(record, cluster))
+            except Exception as e:  # noqa: BLE001 - try every job; say which one could not be stopped
+                logger.error("flow run %s: could not cancel training job %s (%s): %s: %s", state.name,
+                             record.job_id, marker, type(e).__name__, e)
+
+    return cancel_training_jobs

@@ -1,0 +1,142 @@
+"""Cancelling a nightly deployment run stops its training job, and a run naming a block that does
+not exist fails before it submits anything (real Prefect server, process worker, local trainer)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from posttrain.cluster.local import group_members
+from posttrain.runs.once import JobRecord
+from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.runs import flow_run_logs, prefect_cli, read_flow_run, run_deployment, wait_final
+
+pytestmark = pytest.mark.slow
+
+
+def instance(run: str, flow_run_id: str) -> str:
+    return f"{run}-{flow_run_id.replace('-', '')[:8]}"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line holds ``text`` (what `ps` would show)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_setup):
+    long = tiny_setup.settings("flows-cancel", trainer={**tiny_setup.settings("x")["trainer"], "max_steps": 100000,
+                                                        "save_steps": 100000})
+    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps({"settings": long}))
+    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    marker = tiny_setup.shared_dir / "runs" / instance("flows-cancel", flow_run_id) / "training-job.json"
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        run = read_flow_run(flow_run_id)
+        assert not run.state.is_final(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
+        assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
+        time.sleep(0.5)
+    job = JobRecord.model_validate_json(marker.read_text())
+    assert job.backend == "local" and job.pgid is not None
+    job_dir = str(Path(job.log_path).parent)
+    deadline = time.monotonic() + 60
+    while not processes_mentioning(f"posttrain.trainer {job_dir}"):  # the trainer itself is running
+        assert time.monotonic() < deadline, f"the trainer did not start in 60 s\n{process_worker.tail()}"
+        time.sleep(0.5)
+    assert group_members(job.pgid)
+
+    t0 = time.monotonic()
+    cancel = prefect_cli("flow-run", "cancel", flow_run_id)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    while group_members(job.pgid) or processes_mentioning(job_dir):
+        assert time.monotonic() - t0 < 30, (f"processes of the job left 30 s after cancelling: "
+                                            f"{group_members(job.pgid)} {processes_mentioning(job_dir)}")
+        time.sleep(0.2)
+    stopped_s = time.monotonic() - t0
+    run = wait_final(flow_run_id, timeout=60)
+    assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
+    logs = "\n".join(flow_run_logs(flow_run_id))
+    assert f"stopped process group {job.pgid}" in logs, logs[-3000:]
+    print(f"trainer gone {stopped_s:.1f} s after the cancel request")
+
+
+@pytest.mark.timeout(240)
+def test_a_run_naming_a_missing_store_block_fails_before_submitting(process_worker, tiny_setup):
+    settings = tiny_setup.settings("flows-nostore", store="posttrain-object-store/nope")
+    proc, flow_run_id = run_deployment(NIGHTLY, settings)
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    run = wait_final(flow_run_id)
+    assert run.state.is_failed(), f"{run.state_name}: {run.state.message}"
+    assert "store: cannot load block 'posttrain-object-store/nope'" in run.state.message
+    name = instance("flows-nostore", flow_run_id)
+    assert not (tiny_setup.shared_dir / "runs" / name / "training-job.json").exists()
+    jobs = list(tiny_setup.jobs_dir.glob(f"{name}*")) if tiny_setup.jobs_dir.exists() else []
+    assert jobs == []
+
+
+def sacct_state(job_id: str) -> str:
+    import subprocess
+
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True,
+                         timeout=20).stdout.split()
+    return out[0] if out else ""
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.usefixtures("slurm_cluster")
+def test_cancelling_a_nightly_run_on_slurm_cancels_its_job(process_worker, tiny_setup):
+    import sys
+
+    from posttrain.cluster import SlurmConfig
+    from posttrain.pipeline.blocks import SlurmCluster
+    from tests.pipeline.runs import REPO
+
+    SlurmCluster(settings=SlurmConfig(
+        shared_dir=str(tiny_setup.root), image=None, python=sys.executable, nodes=1, gpus_per_node=0,
+        memory="2G", exclusive=False, time_limit="10", launcher="python", poll_interval_s=1,
+        env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})).save("flows-cancel", overwrite=True)
+    long = tiny_setup.settings("flows-cancel-slurm", cluster="posttrain-slurm-cluster/flows-cancel",
+                               trainer={**tiny_setup.settings("x")["trainer"], "max_steps": 100000,
+                                        "save_steps": 100000})
+    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps({"settings": long}))
+    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    marker = tiny_setup.shared_dir / "runs" / instance("flows-cancel-slurm", flow_run_id) / "training-job.json"
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        run = read_flow_run(flow_run_id)
+        assert not run.state.is_final(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
+        assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
+        time.sleep(0.5)
+    job = JobRecord.model_validate_json(marker.read_text())
+    assert job.backend == "slurm"
+    deadline = time.monotonic() + 60
+    while sacct_state(job.job_id) != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job.job_id} not RUNNING in 60 s: {sacct_state(job.job_id)}"
+        time.sleep(0.5)
+
+    t0 = time.monotonic()
+    cancel = prefect_cli("flow-run", "cancel", flow_run_id)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    while not sacct_state(job.job_id).startswith("CANCELLED"):
+        assert time.monotonic() - t0 < 30, f"job {job.job_id} {sacct_state(job.job_id)} 30 s after cancelling"
+        time.sleep(0.5)
+    cancelled_s = time.monotonic() - t0
+    run = wait_final(flow_run_id, timeout=60)
+    assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
+    logs = "\n".join(flow_run_logs(flow_run_id))
+    assert f"slurm job {job.job_id} cancelled (scancel" in logs, logs[-3000:]
+    print(f"Slurm job CANCELLED {cancelled_s:.1f} s after the cancel request")
