@@ -12,7 +12,6 @@ import os
 import pickle
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from posttrain.cluster.errors import ConfigError
 from posttrain.cluster.handle import DryRunHandle, HandleBase, log_excerpt
 from posttrain.cluster.launch import Topology, launch_line
 from posttrain.cluster.spec import JobSpec, JobState
+from posttrain.cluster.submitit_compat import SessionLocalExecutor
 
 
 class LocalBackend:
@@ -100,7 +100,7 @@ class LocalBackend:
         # `env` execs python, so submitit's signals reach it directly (a shell would be in between)
         env = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(self.environment(spec).items()))
         python = f"env {env} {shlex.quote(sys.executable)}"
-        ex = _SessionExecutor(folder=job_dir, max_num_timeout=cfg.max_requeues, python=python)
+        ex = SessionLocalExecutor(folder=job_dir, max_num_timeout=cfg.max_requeues, python=python)
         ex.update_parameters(
             timeout_min=(cfg.time_limit_s or 365 * 86400) / 60,
             gpus_per_node=cfg.gpus,
@@ -113,33 +113,6 @@ class LocalBackend:
         else:
             job = ex.submit(spec.function, *spec.args, **spec.kwargs)
         return LocalHandle(job, poll_s=cfg.poll_interval_s)
-
-
-class _SessionExecutor(submitit.LocalExecutor):
-    """submitit's LocalExecutor, with its controller started in a new session (its pid is the
-    process group id of the whole job). Copies ``submitit.local.local.start_controller`` (no
-    ``setup`` support), adding ``start_new_session``: see ``posttrain.cluster.submitit_compat``."""
-
-    def _submit_command(self, command: str) -> submitit.local.local.LocalJob:
-        ntasks = self.parameters.get("tasks_per_node", 1)
-        gpus = range(self.parameters.get("gpus_per_node", 0))
-        env = dict(os.environ)
-        env.update(
-            SUBMITIT_LOCAL_NTASKS=str(ntasks),
-            SUBMITIT_LOCAL_COMMAND=command,
-            SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
-            SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
-            SUBMITIT_LOCAL_NODEID="0",
-            SUBMITIT_LOCAL_JOB_NUM_NODES="1",
-            SUBMITIT_STDERR_TO_STDOUT="1" if self.parameters.get("stderr_to_stdout", False) else "",
-            SUBMITIT_EXECUTOR="local",
-            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in gpus),
-            SUBMITIT_LOCAL_WITH_SHELL="",
-        )
-        process = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(self.folder)], env=env,
-                                   start_new_session=True)
-        return submitit.local.local.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
-                                             tasks=list(range(ntasks)))
 
 
 def group_members(pgid: int) -> list[int]:

@@ -9,12 +9,15 @@ upgrade, check each of these against the new release (and run the Slurm tests):
   ``_make_submission_file_text``, ``_submitit_command_str`` and ``_num_tasks``.
 - ``SlurmJob.watcher``: the class attribute through which every job polls its state.
 - ``submitit.core.utils.JobPaths``: where a job's logs and result pickle are.
-- ``LocalExecutor._submit_command`` (in ``posttrain.cluster.local._SessionExecutor``): a copy of
+- ``LocalExecutor._submit_command`` (``SessionLocalExecutor``): a copy of
   ``submitit.local.local.start_controller`` that starts the controller in a session of its own.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -85,3 +88,30 @@ class StagingExecutor(submitit.SlurmExecutor):
             pickled = pickle_path.read_bytes()
         job_id = self.submit_job(self.sbatch_text(), pickled, self.parameters["comment"])
         return [self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))]
+
+
+class SessionLocalExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor, with its controller started in a new session (its pid is the
+    process group id of the whole job). Copies ``submitit.local.local.start_controller`` (no
+    ``setup`` support), adding ``start_new_session``."""
+
+    def _submit_command(self, command: str) -> submitit.local.local.LocalJob:
+        ntasks = self.parameters.get("tasks_per_node", 1)
+        gpus = range(self.parameters.get("gpus_per_node", 0))
+        env = dict(os.environ)
+        env.update(
+            SUBMITIT_LOCAL_NTASKS=str(ntasks),
+            SUBMITIT_LOCAL_COMMAND=command,
+            SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
+            SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
+            SUBMITIT_LOCAL_NODEID="0",
+            SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+            SUBMITIT_STDERR_TO_STDOUT="1" if self.parameters.get("stderr_to_stdout", False) else "",
+            SUBMITIT_EXECUTOR="local",
+            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in gpus),
+            SUBMITIT_LOCAL_WITH_SHELL="",
+        )
+        process = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(self.folder)], env=env,
+                                   start_new_session=True)
+        return submitit.local.local.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                                             tasks=list(range(ntasks)))
