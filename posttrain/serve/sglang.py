@@ -42,7 +42,7 @@ PAUSE_MODE = "abort"  # see the module doc
 
 
 class SGLangClient(HTTPEngineClient):
-    """One SGLang server at ``url`` (e.g. ``http://10.0.0.5:30000``), an ``EngineClient``."""
+    """One SGLang server at ``url`` (e.g. ``http://sglang-host:30000``), an ``EngineClient``."""
 
     def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``GET /get_model_info`` answers 200: the server is up (it does not generate)."""
