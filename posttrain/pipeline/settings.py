@@ -143,3 +143,16 @@ class GrpoSettings(RunSettings):
         if v is None:
             raise ValueError("GRPO samples its rollouts from an inference deployment: name its block")
         return v
+
+
+def flow_run_name() -> str:
+    """A flow run's name (the flows' ``flow_run_name``): the user-given run name and the day it was
+    scheduled for, e.g. ``nightly-2026-11-30``, rather than a random name."""
+    from datetime import UTC, datetime
+
+    from prefect.runtime import flow_run
+
+    settings = (flow_run.parameters or {}).get("settings")
+    name = settings.get("run_name") if isinstance(settings, dict) else getattr(settings, "run_name", None)
+    when = flow_run.scheduled_start_time or datetime.now(UTC)
+    return f"{name or flow_run.flow_name}-{when:%Y-%m-%d}"

@@ -25,6 +25,7 @@ def test_nightly_deployment_run_completes_and_serves_the_last_snapshot(process_w
                                       f"\n--- worker\n{process_worker.tail()}")
     assert proc.returncode == 0 and "Completed" in proc.stdout
     assert run.deployment_id is not None and str(run.parameters["settings"]["run_name"]) == "flows-nightly"
+    assert run.name.startswith("flows-nightly-"), run.name  # named from the run name, not at random
 
     # Both checkpoints published into the store (ledger of the run, every file of each snapshot)...
     run_name = f"flows-nightly-{flow_run_id.replace('-', '')[:8]}"  # each flow run works under its own name
@@ -49,16 +50,49 @@ def test_nightly_deployment_run_completes_and_serves_the_last_snapshot(process_w
     assert (run_dir / "training-job.json").is_file()
     assert (run_dir / "output" / "checkpoint-2").is_dir()
 
-    # Its artifacts: watch progress (done), the link to the training logs, the snapshots table.
+    # Its artifacts, keyed by the user-given run name: watch progress (done), the link to the
+    # training logs, the snapshots table (a delta's % of full; a full snapshot says "full").
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [run.id]}))
     found = {(a.type, a.key): a for a in artifacts}
-    assert found[("progress", f"{run_name}-training-progress")].data == 100.0
-    assert "log:" in str(found[("markdown", f"{run_name}-training-job")].data)
-    assert "step-00000002-" in str(found[("table", f"{run_name}-nightly-snapshots")].data)
+    assert len(found) == len(artifacts) == 3, [(a.type, a.key) for a in artifacts]  # one card per kind
+    assert found[("progress", "flows-nightly-training-progress")].data == 100.0
+    assert "log:" in str(found[("markdown", "flows-nightly-training-job")].data)
+    table = json.loads(found[("table", "flows-nightly-nightly-snapshots")].data)
+    assert [(r["step"], r["kind"]) for r in table] == [(1, "full"), (2, "delta")]
+    assert table[0]["% of full"] == "full" and 0 < float(table[1]["% of full"]) < 100, table
+
+
+@pytest.mark.timeout(420)
+def test_two_nightly_runs_keep_one_key_per_kind_with_two_versions(process_worker, tiny_setup):
+    """Artifact keys come from the deployment's run name: two nights are two versions of each key."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    run_ids = []
+    for _ in range(2):
+        proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings("flows-history"))
+        assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+        run = wait_final(flow_run_id)
+        assert run.state.is_completed(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
+        assert run.name.startswith("flows-history-"), run.name
+        run_ids.append(run.id)
+    kinds = {"progress": "flows-history-training-progress", "markdown": "flows-history-training-job",
+             "table": "flows-history-nightly-snapshots"}
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": run_ids}))
+        history = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": list(kinds.values())}))
+    keyed = [a for a in artifacts if a.key]
+    assert {a.key for a in keyed} == set(kinds.values()), keyed
+    for kind, key in kinds.items():
+        versions = [a for a in keyed if a.key == key]
+        assert all(a.type == kind for a in versions), versions
+        assert sorted(str(a.flow_run_id) for a in versions) == sorted(str(i) for i in run_ids), (key, versions)
+        # both nights are versions of the one key (with any earlier runs of this server)
+        assert {a.id for a in versions} <= {a.id for a in history if a.key == key}
 
 
 def test_nightly_schedule_is_registered(deployed):

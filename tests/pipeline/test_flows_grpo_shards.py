@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
-from tests.pipeline.runs import overlapping, subflow_runs, task_runs
+from tests.pipeline.runs import overlapping, read_flow_run, subflow_runs, task_runs
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +68,7 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
                                                 reward_funcs=["tests.pipeline.flaky:flaky_reward"]))
     assert state.is_completed(), state.message
     assert marker.exists()
+    assert read_flow_run(flow_run_id).name.startswith("flows-grpo-flaky-")  # named from the run name
 
     shard_tasks = {t.name: t for t in task_runs(flow_run_id) if t.name.startswith("shard-")}
     assert sorted(shard_tasks) == ["shard-0", "shard-1", "shard-2"]
@@ -97,11 +98,10 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
-    by_type = {(a.type, a.key) for a in artifacts}
-    run_name = name
-    assert ("table", f"{run_name}-rounds") in by_type, by_type
-    assert ("image", f"{run_name}-reward-curve") in by_type, by_type
-    table = next(a for a in artifacts if a.key == f"{run_name}-rounds")
+    by_type = sorted((a.type, a.key) for a in artifacts if a.key)  # one card per kind, keyed by the run name
+    assert by_type == [("image", "flows-grpo-flaky-reward-curve"), ("markdown", "flows-grpo-flaky-training-job"),
+                       ("table", "flows-grpo-flaky-rounds")], by_type
+    table = next(a for a in artifacts if a.key == "flows-grpo-flaky-rounds")
     for column in ("reward mean", "reward std", "samples", "policy version", "delta % of full", "publish s",
                    "hot-load s"):
         assert column in str(table.data), column

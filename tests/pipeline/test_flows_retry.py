@@ -102,6 +102,19 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     second = wait_final(flow_run_id)
     assert second.state.is_completed(), f"{second.state_name}: {second.state.message}\n{process_worker.tail()}"
     assert second.id == first.id and second.run_count == 2
+    assert second.name.startswith(f"{RUN}-"), second.name
+
+    # Its progress artifact: the first attempt's, updated in place to 100% (no stale copy).
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [second.id]}))
+    progress = [a for a in artifacts if a.type == "progress"]
+    assert [(a.key, a.data) for a in progress] == [(f"{RUN}-training-progress", 100.0)], progress
+    keyed = sorted((a.type, a.key) for a in artifacts if a.key)
+    assert keyed == [("markdown", f"{RUN}-training-job"), ("progress", f"{RUN}-training-progress"),
+                     ("table", f"{RUN}-nightly-snapshots")], artifacts
 
     # 3. Training was not submitted again: same job, one job folder, one trainer result.
     assert json.loads((run_dir / "training-job.json").read_text()) == job

@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict
 
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.fsutil import atomic_write
-from posttrain.pipeline.settings import GrpoSettings, trainer_config
+from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks.blocks import check_blocks
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
-from posttrain.pipeline.tasks.report import reward_curve, round_table
+from posttrain.pipeline.tasks.report import reward_curve, reward_curve_svg, round_table, size_column
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import cancel_submitted, train_step
@@ -36,10 +36,12 @@ class GrpoReport(BaseModel):
     run_dir: str
 
 
-@flow(name="grpo", log_prints=True, on_cancellation=[cancel_submitted(GrpoSettings)],
+@flow(name="grpo", flow_run_name=flow_run_name, log_prints=True,
+      on_cancellation=[cancel_submitted(GrpoSettings)],
       on_crashed=[cancel_submitted(GrpoSettings)])
 def grpo(settings: GrpoSettings) -> GrpoReport:
     logger = get_run_logger()
+    card = settings.run_name  # artifact keys: one per run name, a version per run
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
@@ -66,20 +68,22 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         n, mean, std, spread = pooled_rewards(shards)
         trainer = trainer_config(settings.trainer, mode="step", model_name_or_path=current,
                                  output_dir=run_dir / "policy", rollouts=rollouts)
-        current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"))
+        current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
+                             card=card)
         table.append({
             "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
             "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
-            "kind": snapshot.kind, "delta % of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
+            "kind": snapshot.kind, "delta % of full": size_column(snapshot),
             "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
             "round s": round(time.perf_counter() - t0, 2),
         })
-        round_table(settings.run_name, table)
+        round_table(card, table)
+        reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
         logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
     final = publish_checkpoint(current, settings.rounds, settings)
     if settings.inference:
         hot_load(final, settings)
-    svg = reward_curve(settings.run_name, [row["reward mean"] for row in table], [row["reward std"] for row in table])
+    svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
                       final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir))

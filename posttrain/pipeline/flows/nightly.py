@@ -6,14 +6,15 @@ what an earlier attempt handled is reported again without hot-loading it again."
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import update_progress_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
-from posttrain.pipeline.settings import NightlySettings, trainer_config
+from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks.blocks import check_blocks
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
-from posttrain.pipeline.tasks.report import artifact_key
+from posttrain.pipeline.tasks.report import progress as progress_artifact
+from posttrain.pipeline.tasks.report import size_column, snapshots_table
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import cancel_submitted, submit, watch_job
 from posttrain.runs.once import completed_result, handled_before
@@ -22,7 +23,7 @@ from posttrain.runs.once import completed_result, handled_before
 def snapshot_row(step: int, snapshot) -> dict:
     return {"step": step, "snapshot": snapshot.identity, "kind": snapshot.kind,
             "stored MB": round(snapshot.stored_bytes / 1e6, 3),
-            "% of full": round(100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1), 2),
+            "% of full": size_column(snapshot),
             "uploaded MB": round(snapshot.uploaded_bytes / 1e6, 3),
             "publish s": round(snapshot.encode_seconds + snapshot.upload_seconds, 2)}
 
@@ -38,20 +39,21 @@ class NightlyReport(BaseModel):
     run_dir: str
 
 
-@flow(name="nightly-post-training", log_prints=True, on_cancellation=[cancel_submitted(NightlySettings)],
+@flow(name="nightly-post-training", flow_run_name=flow_run_name, log_prints=True,
+      on_cancellation=[cancel_submitted(NightlySettings)],
       on_crashed=[cancel_submitted(NightlySettings)])
 def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     logger = get_run_logger()
+    card = settings.run_name  # artifact keys: one per run name, a version per night
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
     staged = stage(settings.dataset, settings.shared_dir)
     trainer = trainer_config(settings.trainer, mode="grpo", model_name_or_path=settings.base_model,
                              output_dir=run_dir / "output", dataset_manifest=staged.manifest_path)
-    job = submit(settings.cluster, settings.run_name, trainer, str(run_dir / "training-job.json"))
+    job = submit(settings.cluster, settings.run_name, trainer, str(run_dir / "training-job.json"), card=card)
     total = trainer.max_steps or 1
-    progress = create_progress_artifact(0.0, key=artifact_key(settings.run_name, "training-progress"),
-                                        description="Checkpoints published and hot-loaded, by training step")
+    progress = progress_artifact(card)  # a retried run goes on with the progress artifact of its first attempt
     rows = []
     cursor_path = run_dir / "watch-cursor.json"
     # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
@@ -71,8 +73,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
         update_progress_artifact(progress, min(100.0, 100.0 * ckpt.step / total))
     result = completed_result(job)
     update_progress_artifact(progress, 100.0)
-    create_table_artifact(rows, key=artifact_key(settings.run_name, "nightly-snapshots"),
-                          description="Checkpoints of the nightly run: snapshot, size, publish and hot-load times")
+    snapshots_table(card, rows)
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
                 result.global_step)
     return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,

@@ -1,10 +1,24 @@
-"""Artifacts: per-round tables, checkpoint-watch progress, cluster log links, the reward curve."""
+"""Artifacts: per-round tables, checkpoint-watch progress, cluster log links, the reward curve.
+
+Keys come from the user-given run name (not the flow run's suffixed one), so each kind has one
+key per deployment run name and Prefect keeps a version per night. Within one flow run each kind
+is one artifact, updated in place: every round, and every retry of the flow run."""
 
 from __future__ import annotations
 
 import base64
+import json
+import math
+from collections.abc import Callable
+from uuid import UUID
 
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_image_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+)
+from prefect.runtime import flow_run
 
 
 def artifact_key(*parts: object) -> str:
@@ -13,10 +27,55 @@ def artifact_key(*parts: object) -> str:
     return "".join(c if c.isalnum() else "-" for c in text).strip("-")
 
 
+def _existing(key: str, kind: str) -> UUID | None:
+    """This flow run's artifact of ``key`` and type ``kind``, if an earlier round or attempt made one."""
+    run_id = flow_run.id
+    if not run_id:
+        return None
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key={"any_": [key]}, type={"any_": [kind]},
+                                           flow_run_id={"any_": [UUID(str(run_id))]}),
+            limit=1)
+    return found[0].id if found else None
+
+
+def _upsert(key: str, kind: str, data: object, description: str, create: Callable[[], UUID]) -> UUID:
+    """Update this flow run's artifact of ``key`` in place, or create it (a new version of the key)."""
+    artifact_id = _existing(key, kind)
+    if artifact_id is None:
+        return create()
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    with get_client(sync_client=True) as client:
+        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
+    return artifact_id
+
+
 def round_table(run_name: str, rows: list[dict]) -> None:
-    create_table_artifact(rows, key=artifact_key(run_name, "rounds"),
-                          description="GRPO rounds: rewards, samples, policy version, delta size, publish and "
-                          "hot-load seconds")
+    key = artifact_key(run_name, "rounds")
+    description = ("GRPO rounds: rewards, samples, policy version, snapshot kind and delta size, publish and "
+                   "hot-load seconds")
+    _upsert(key, "table", json.dumps(rows), description,
+            lambda: create_table_artifact(rows, key=key, description=description))
+
+
+def snapshots_table(run_name: str, rows: list[dict]) -> None:
+    key = artifact_key(run_name, "nightly-snapshots")
+    description = "Checkpoints of the nightly run: snapshot, size, publish and hot-load times"
+    _upsert(key, "table", json.dumps(rows), description,
+            lambda: create_table_artifact(rows, key=key, description=description))
+
+
+def progress(run_name: str) -> UUID:
+    """The flow run's progress artifact: found again on a retry (which goes on from where it is)."""
+    key = artifact_key(run_name, "training-progress")
+    description = "Checkpoints published and hot-loaded, by training step"
+    return _existing(key, "progress") or create_progress_artifact(0.0, key=key, description=description)
 
 
 def log_links(run_name: str, job_id: str, log_path: str | None, backend: str) -> None:
@@ -26,39 +85,82 @@ def log_links(run_name: str, job_id: str, log_path: str | None, backend: str) ->
         md += f"- `squeue -j {job_id}`, `sacct -j {job_id}`, `scancel {job_id}`\n"
     elif backend == "k8s":
         md += f"- `kubectl logs -f job/{job_id}`, `kubectl delete job {job_id}`\n"
-    create_markdown_artifact(md, key=artifact_key(run_name, "training-job"), description="Where the training logs are")
+    key = artifact_key(run_name, "training-job")
+    description = "Where the training logs are"
+    _upsert(key, "markdown", md, description,
+            lambda: create_markdown_artifact(md, key=key, description=description))
+
+
+def size_column(snapshot) -> str:
+    """A snapshot's size as the tables show it: a delta's stored bytes as a % of the full weights;
+    a full snapshot is just "full"."""
+    if snapshot.kind == "full":
+        return "full"
+    return f"{100 * snapshot.stored_bytes / max(snapshot.raw_bytes, 1):.2f}"
+
+
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """Round tick values from at or below ``lo`` to at or above ``hi``."""
+    raw = (hi - lo) / max(count - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [round(k * step, 10) for k in range(first, last + 1)]
 
 
 def reward_curve_svg(means: list[float], stds: list[float]) -> str:
-    """A small self-contained SVG line chart of the mean reward per round, with ±1 std band."""
-    w, h, pad = 480, 240, 40
+    """A small self-contained SVG line chart of the mean reward per round, with a ±1 std band and
+    labelled axes: round on x, reward on y, tick labels on both."""
+    w, h, left, right, top, bottom = 480, 260, 56, 16, 28, 44
     n = max(len(means), 1)
     lo = min((m - s for m, s in zip(means, stds, strict=True)), default=0.0)
     hi = max((m + s for m, s in zip(means, stds, strict=True)), default=1.0)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
+    ticks = _ticks(lo, hi)
+    lo, hi = ticks[0], ticks[-1]
 
-    def xy(i: int, v: float) -> tuple[float, float]:
-        x = pad + (w - 2 * pad) * (i / (n - 1) if n > 1 else 0.5)
-        return x, h - pad - (h - 2 * pad) * (v - lo) / (hi - lo)
+    def xy(i: float, v: float) -> tuple[float, float]:
+        x = left + (w - left - right) * (i / (n - 1) if n > 1 else 0.5)
+        return x, h - bottom - (h - top - bottom) * (v - lo) / (hi - lo)
 
     line = " ".join("%.1f,%.1f" % xy(i, m) for i, m in enumerate(means))
     band = [xy(i, m + s) for i, (m, s) in enumerate(zip(means, stds, strict=True))]
     band += [xy(i, m - s) for i, (m, s) in reversed(list(enumerate(zip(means, stds, strict=True))))]
     poly = " ".join("%.1f,%.1f" % p for p in band)
-    labels = "".join(f'<text x="{xy(i, lo)[0]:.1f}" y="{h - pad + 16}" font-size="11" text-anchor="middle">{i}</text>'
-                     for i in range(len(means)))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">'
-            f'<rect width="{w}" height="{h}" fill="white"/>'
-            f'<polygon points="{poly}" fill="#9ecae1" opacity="0.5"/>'
-            f'<polyline points="{line}" fill="none" stroke="#08519c" stroke-width="2"/>'
-            f'<text x="{pad}" y="20" font-size="13">mean reward per round ({lo:.2f} .. {hi:.2f})</text>'
-            f"{labels}</svg>")
+    x0, y0, x1 = left, h - bottom, w - right
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2:.0f}" y="18" font-size="13" text-anchor="middle">mean reward per round (±1 std)</text>',
+             f'<line x1="{x0}" y1="{top}" x2="{x0}" y2="{y0}" stroke="black"/>',
+             f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="black"/>']
+    for t in ticks:
+        y = xy(0, t)[1]
+        parts.append(f'<line x1="{x0 - 4}" y1="{y:.1f}" x2="{x1}" y2="{y:.1f}" stroke="#ddd"/>'
+                     f'<text class="ytick" x="{x0 - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{t:g}</text>')
+    step = max(1, math.ceil(len(means) / 10))
+    for i in range(0, len(means), step):
+        x = xy(i, lo)[0]
+        parts.append(f'<line x1="{x:.1f}" y1="{y0}" x2="{x:.1f}" y2="{y0 + 4}" stroke="black"/>'
+                     f'<text class="xtick" x="{x:.1f}" y="{y0 + 16}" font-size="11" text-anchor="middle">{i}</text>')
+    parts += [f'<text class="xlabel" x="{(x0 + x1) / 2:.0f}" y="{h - 8}" font-size="12" text-anchor="middle">round</text>',
+              f'<text class="ylabel" x="14" y="{(top + y0) / 2:.0f}" font-size="12" text-anchor="middle" '
+              f'transform="rotate(-90 14 {(top + y0) / 2:.0f})">reward</text>']
+    if means:
+        parts += [f'<polygon points="{poly}" fill="#9ecae1" opacity="0.5"/>',
+                  f'<polyline points="{line}" fill="none" stroke="#08519c" stroke-width="2"/>']
+        parts += [f'<circle cx="{xy(i, m)[0]:.1f}" cy="{xy(i, m)[1]:.1f}" r="2.5" fill="#08519c"/>'
+                  for i, m in enumerate(means)]
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def reward_curve(run_name: str, means: list[float], stds: list[float]) -> str:
+    """The reward curve so far as a keyed image artifact, updated in place each round."""
     svg = reward_curve_svg(means, stds)
     url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
-    create_image_artifact(image_url=url, key=artifact_key(run_name, "reward-curve"),
-                          description="Mean reward per GRPO round")
+    key = artifact_key(run_name, "reward-curve")
+    description = f"Mean reward per GRPO round ({len(means)} rounds so far)"
+    _upsert(key, "image", url, description,
+            lambda: create_image_artifact(image_url=url, key=key, description=description))
     return svg

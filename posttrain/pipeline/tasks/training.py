@@ -28,8 +28,9 @@ def cluster_settings(cluster_ref: str) -> ClusterConfig:
 
 
 @task(name="submit-training", task_run_name="submit-{name}")
-def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str) -> JobRecord:
-    """Submit the trainer once: a marker left by an earlier attempt returns that job instead."""
+def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str, card: str | None = None) -> JobRecord:
+    """Submit the trainer once: a marker left by an earlier attempt returns that job instead.
+    ``card``: the run name keying the flow run's training-job artifact (default ``name``)."""
     logger = get_run_logger()
     settings = TrainingSettings(name=job_name(name), cluster=cluster_settings(cluster_ref), trainer=trainer)
     job, new = submit_once(settings, Path(marker))
@@ -37,7 +38,7 @@ def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str) -> 
         logger.info("training job %s was submitted before (%s); not submitting again", job.job_id, marker)
         return job
     logger.info("submitted training job %s on %s; log %s", job.job_id, job.backend, job.log_path)
-    log_links(name, job.job_id, job.log_path, job.backend)
+    log_links(card or name, job.job_id, job.log_path, job.backend)
     return job
 
 
@@ -48,9 +49,10 @@ def watch_job(job: JobRecord, cluster_ref: str, cursor_path: Path, poll_interval
 
 
 @task(name="train-step", task_run_name="train-step-round-{round}")
-def train_step(cluster_ref: str, run_name: str, round: int, trainer: TrainerConfig, marker: str) -> str:
+def train_step(cluster_ref: str, run_name: str, round: int, trainer: TrainerConfig, marker: str,
+               card: str | None = None) -> str:
     """One GRPO step on the round's rollouts, on the cluster; returns the new checkpoint folder."""
-    job = submit.fn(cluster_ref, f"{run_name}-step", trainer, marker)
+    job = submit.fn(cluster_ref, f"{run_name}-step", trainer, marker, card=card)
     result = wait_for_result(job, cluster_settings(cluster_ref))
     if result.checkpoint is None:
         raise RuntimeError(f"training step of round {round} saved no checkpoint ({job.output_dir})")

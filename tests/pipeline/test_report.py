@@ -1,0 +1,43 @@
+"""The artifacts' pieces that need no server: the reward curve SVG, the size column."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from types import SimpleNamespace
+
+from posttrain.pipeline.tasks.report import reward_curve_svg, size_column
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _texts(svg: str, cls: str) -> list[str]:
+    root = ET.fromstring(svg)
+    return [t.text for t in root.iter(f"{SVG}text") if t.get("class") == cls]
+
+
+def test_reward_curve_svg_has_labelled_axes_and_ticks():
+    svg = reward_curve_svg([0.1, 0.35, 0.5, 0.62], [0.05, 0.1, 0.08, 0.04])
+    assert _texts(svg, "xlabel") == ["round"]
+    assert _texts(svg, "ylabel") == ["reward"]
+    assert _texts(svg, "xtick") == ["0", "1", "2", "3"]
+    yticks = [float(t) for t in _texts(svg, "ytick")]
+    assert len(yticks) >= 3 and yticks == sorted(yticks)
+    assert yticks[0] <= 0.1 and yticks[-1] >= 0.6  # the ticks span the data
+    assert "<polyline" in svg and "href" not in svg  # self-contained: nothing loaded from elsewhere
+    assert len(svg) < 5000
+
+
+def test_reward_curve_svg_of_one_flat_round_and_of_none():
+    one = reward_curve_svg([0.5], [0.0])
+    assert _texts(one, "xtick") == ["0"] and len(_texts(one, "ytick")) >= 2
+    none = reward_curve_svg([], [])
+    ET.fromstring(none)
+    assert _texts(none, "xlabel") == ["round"] and "<polyline" not in none
+
+
+def test_size_column_is_a_ratio_for_deltas_only():
+    full = SimpleNamespace(kind="full", stored_bytes=1013, raw_bytes=1000)
+    delta = SimpleNamespace(kind="delta", stored_bytes=120, raw_bytes=1000)
+    assert size_column(full) == "full"
+    assert re.fullmatch(r"12\.00", size_column(delta))
