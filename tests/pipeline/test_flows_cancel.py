@@ -21,6 +21,24 @@ def instance(run: str, flow_run_id: str) -> str:
     return f"{run}-{flow_run_id.replace('-', '')[:8]}"
 
 
+def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[str, JobRecord]:
+    """Start a nightly deployment run that would train for ages; once it submitted its training job,
+    its flow run id and the job's record."""
+    trainer = {**tiny_setup.settings("x")["trainer"], "max_steps": 100000, "save_steps": 100000}
+    proc = prefect_cli("deployment", "run", NIGHTLY, "--params",
+                       json.dumps({"settings": tiny_setup.settings(run, trainer=trainer, **settings)}))
+    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    marker = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / "training-job.json"
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        state = read_flow_run(flow_run_id).state
+        assert not state.is_final(), f"{state.name}: {state.message}\n{process_worker.tail()}"
+        assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
+        time.sleep(0.5)
+    return flow_run_id, JobRecord.model_validate_json(marker.read_text())
+
+
 def processes_mentioning(text: str) -> list[int]:
     """Live processes whose command line holds ``text`` (what `ps` would show)."""
     found = []
@@ -37,19 +55,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 @pytest.mark.timeout(300)
 def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_setup):
-    long = tiny_setup.settings("flows-cancel", trainer={**tiny_setup.settings("x")["trainer"], "max_steps": 100000,
-                                                        "save_steps": 100000})
-    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps({"settings": long}))
-    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
-    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    marker = tiny_setup.shared_dir / "runs" / instance("flows-cancel", flow_run_id) / "training-job.json"
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        run = read_flow_run(flow_run_id)
-        assert not run.state.is_final(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
-        assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
-        time.sleep(0.5)
-    job = JobRecord.model_validate_json(marker.read_text())
+    flow_run_id, job = start_long_run(tiny_setup, process_worker, "flows-cancel")
     assert job.backend == "local" and job.pgid is not None
     job_dir = str(Path(job.log_path).parent)
     deadline = time.monotonic() + 60
@@ -108,20 +114,8 @@ def test_cancelling_a_nightly_run_on_slurm_cancels_its_job(process_worker, tiny_
         shared_dir=str(tiny_setup.root), image=None, python=sys.executable, nodes=1, gpus_per_node=0,
         memory="2G", exclusive=False, time_limit="10", launcher="python", poll_interval_s=1,
         env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})).save("flows-cancel", overwrite=True)
-    long = tiny_setup.settings("flows-cancel-slurm", cluster="posttrain-slurm-cluster/flows-cancel",
-                               trainer={**tiny_setup.settings("x")["trainer"], "max_steps": 100000,
-                                        "save_steps": 100000})
-    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps({"settings": long}))
-    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
-    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    marker = tiny_setup.shared_dir / "runs" / instance("flows-cancel-slurm", flow_run_id) / "training-job.json"
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        run = read_flow_run(flow_run_id)
-        assert not run.state.is_final(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
-        assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
-        time.sleep(0.5)
-    job = JobRecord.model_validate_json(marker.read_text())
+    flow_run_id, job = start_long_run(tiny_setup, process_worker, "flows-cancel-slurm",
+                                      cluster="posttrain-slurm-cluster/flows-cancel")
     assert job.backend == "slurm"
     deadline = time.monotonic() + 60
     while sacct_state(job.job_id) != "RUNNING":
