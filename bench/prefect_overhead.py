@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> None:
     from posttrain.models.tiny import build_tiny_model
     from posttrain.pipeline.blocks import LocalCluster
     from posttrain.pipeline.deployments.embedded import DEFAULT, save_default_blocks
+    from posttrain.pipeline.parameters import to_parameters
     from posttrain.pipeline.settings import GrpoSettings
     from posttrain.pipeline.tasks import publishing, rollouts, training
     from posttrain.serve.serve_config import ServeConfig
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
             trainer={"learning_rate": 1e-3, "use_cpu": True},
         )
         t0 = time.perf_counter()
-        report = grpo_module.grpo(settings)
+        report = grpo_module.grpo(**to_parameters(settings))
         flow_wall = time.perf_counter() - t0
     finally:
         server.shutdown()

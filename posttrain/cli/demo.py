@@ -73,8 +73,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         from posttrain.pipeline.flows.grpo import grpo
         from posttrain.pipeline.flows.nightly import nightly_post_training
+        from posttrain.pipeline.parameters import to_parameters
 
-        nightly = nightly_post_training(nightly_settings)
+        nightly = nightly_post_training(**to_parameters(nightly_settings))
         table = Table(title="nightly pass: every checkpoint published and hot-loaded")
         for col in nightly.snapshots[0] if nightly.snapshots else []:
             table.add_column(col)
@@ -82,7 +83,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             table.add_row(*(str(v) for v in row.values()))
         console.print(table)
 
-        report = grpo(grpo_settings)
+        report = grpo(**to_parameters(grpo_settings))
         table = Table(title="GRPO rounds")
         for col in report.rounds[0]:
             table.add_column(col)

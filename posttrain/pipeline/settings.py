@@ -2,56 +2,77 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
-from typing import Optional
+from types import UnionType
+from typing import Union, get_args, get_origin
 
+from annotated_types import MinLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic_core import PydanticUndefined
 
 from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor
 from posttrain.rollouts.shard import RolloutSettings
 from posttrain.trainer.config import TrainerConfig
 
-# At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels.
-RUN_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,34}[a-z0-9])?$")
-BLOCK_REF = r"^[a-z0-9][a-z0-9-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$"  # <block-type-slug>/<name>
+# At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels. (No
+# bracket starts with a letter: Prefect's CLI prints the pattern through rich, which eats "[a-z...]".)
+RUN_NAME_RE = re.compile(r"^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$")
+BLOCK_REF = r"^[0-9a-z][-0-9a-z]*/[0-9A-Za-z][-0-9A-Za-z_.]*$"  # <block-type-slug>/<name>
+ABSOLUTE = {"pattern": "^/"}  # in the schema, so a deployment refuses a relative path when the run is created
 
 # Fields the flows fill in themselves.
 _FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts"}
 
-#: Trainer settings a flow run may override (names and meanings as in TRL); unset means the default.
-TrainerSettings = create_model(
-    "TrainerSettings",
-    __config__=ConfigDict(extra="forbid"),
-    **{
-        name: (Optional[field.annotation], Field(None, description=field.description))  # noqa: UP007
-        for name, field in TrainerConfig.model_fields.items()
-        if name not in _FILLED
-    },
-)
+
+def trainer_settings(mode: str, *, exclude: frozenset[str] = frozenset(), required: tuple[str, ...] = ()):
+    """The trainer settings a flow run of ``mode`` may set: TrainerConfig's fields (names, bounds,
+    defaults and meanings as in TRL), less those the flow fills in and those of the other mode."""
+    other = "step:" if mode == "grpo" else "grpo:"
+    fields = {}
+    for name, field in TrainerConfig.model_fields.items():
+        text = field.description or ""
+        if name in _FILLED or name in exclude or (text.startswith(other) and f" {mode}:" not in text):
+            continue
+        info, annotation = copy.copy(field), field.annotation
+        if name in required:  # no default, not null, not empty
+            info.default, info.default_factory = PydanticUndefined, None
+            if get_origin(annotation) in (Union, UnionType):
+                annotation = next(a for a in get_args(annotation) if a is not type(None))
+            if get_origin(annotation) is list:
+                info.metadata = [*info.metadata, MinLen(1)]
+        fields[name] = (annotation, info)
+    return create_model(f"{mode.capitalize()}TrainerSettings", __config__=ConfigDict(extra="forbid"), **fields)
 
 
-# Placeholders for what the flows fill in, to check the overrides as soon as settings are given.
+#: The nightly run's trainer (TRL's GRPOTrainer); a run must say how long and what it rewards.
+GrpoTrainerSettings = trainer_settings("grpo", required=("max_steps", "reward_funcs"))
+#: A GRPO round's training step; its temperature is the rollouts' (the logprobs must match the sampling).
+StepTrainerSettings = trainer_settings("step", exclude=frozenset({"temperature"}))
+
+
+# Placeholders for what the flows fill in, to check the trainer settings as soon as they are given.
 _PLACEHOLDERS = {"model_name_or_path": "/model", "output_dir": "/output", "dataset_manifest": "/manifest.json",
                  "rollouts": "/rollouts.jsonl"}
 
 
 def check_trainer(settings: BaseModel, mode: str) -> BaseModel:
-    """Validate trainer overrides as the trainer will; errors name trainer.<field>."""
+    """Validate trainer settings as the trainer will; errors name the fields."""
     try:
         trainer_config(settings, mode=mode, **_PLACEHOLDERS)
     except ValidationError as e:
         problems = "; ".join(
-            f"trainer.{'.'.join(str(p) for p in err['loc']) or '(settings)'}: {err['msg']}" for err in e.errors()
+            f"{'.'.join(str(p) for p in err['loc']) + ': ' if err['loc'] else ''}"
+            f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors()
         )
         raise ValueError(problems) from None
     return settings
 
 
 def trainer_config(settings: BaseModel, **filled) -> TrainerConfig:
-    """A TrainerConfig from the flow's overrides plus what the flow fills in."""
-    values = {k: v for k, v in settings.model_dump().items() if v is not None}
-    return TrainerConfig(**values, **filled)
+    """A TrainerConfig from the flow's trainer settings plus what the flow fills in."""
+    return TrainerConfig(**settings.model_dump(), **filled)
 
 
 class PublishSettings(BaseModel):
@@ -73,9 +94,12 @@ class RunSettings(BaseModel):
         description="Run name (lowercase letters, digits, dashes); names folders and identities.",
         json_schema_extra={"pattern": RUN_NAME_RE.pattern},  # so an enforced deployment schema checks it too
     )
-    base_model: str = Field(description="Absolute path of the model to start from (a Hugging Face folder).")
-    dataset: str = Field(description="Absolute path of a JSONL or Parquet file of conversational prompts.")
-    shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.")
+    base_model: str = Field(description="Absolute path of the model to start from (a Hugging Face folder).",
+                            json_schema_extra=ABSOLUTE)
+    dataset: str = Field(description="Absolute path of a JSONL or Parquet file of conversational prompts.",
+                         json_schema_extra=ABSOLUTE)
+    shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.",
+                            json_schema_extra=ABSOLUTE)
     cluster: str = Field("posttrain-local-cluster/default", pattern=BLOCK_REF,
                          description="Cluster block: <block-type-slug>/<name>.")
     store: str = Field("posttrain-object-store/default", pattern=BLOCK_REF,
@@ -114,7 +138,7 @@ class RunSettings(BaseModel):
 class NightlySettings(RunSettings):
     """The nightly post-training run: stage, train, publish and hot-load every checkpoint."""
 
-    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="TRL GRPO settings.")
+    trainer: GrpoTrainerSettings = Field(description="TRL GRPO settings.")
     watch_poll_s: float = Field(2.0, gt=0, description="Seconds between looks for new checkpoints.")
 
     @field_validator("trainer")
@@ -130,7 +154,8 @@ class GrpoSettings(RunSettings):
     prompts_per_round: int = Field(8, ge=1, description="Prompts sampled per round.")
     shards: int = Field(2, ge=1, description="Rollout shards per round, sampled concurrently.")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Sampling and rewards.")
-    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Settings of the training step.")
+    trainer: StepTrainerSettings = Field(default_factory=StepTrainerSettings,
+                                         description="Settings of the training step.")
 
     @field_validator("trainer")
     @classmethod
@@ -152,7 +177,6 @@ def flow_run_name() -> str:
 
     from prefect.runtime import flow_run
 
-    settings = (flow_run.parameters or {}).get("settings")
-    name = settings.get("run_name") if isinstance(settings, dict) else getattr(settings, "run_name", None)
+    name = (flow_run.parameters or {}).get("run_name")
     when = flow_run.scheduled_start_time or datetime.now(UTC)
     return f"{name or flow_run.flow_name}-{when:%Y-%m-%d}"

@@ -16,6 +16,12 @@ from typing import Literal
 ScaleRewards = Literal["group", "batch", "none"]
 
 
+#: A reward function's import path, ``module:function``.
+REWARD_FUNC_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+#: Schema of a list of reward functions: a deployment refuses a malformed path when the run is created.
+REWARD_FUNCS_SCHEMA = {"items": {"type": "string", "pattern": REWARD_FUNC_PATTERN}}
+
+
 def load_reward_funcs(paths: list[str]) -> list[Callable[..., list[float | None]]]:
     """The functions named by ``'module:function'`` import paths; a ValueError names
     ``reward_funcs[i]`` and what is wrong with it."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.fsutil import atomic_open
 from posttrain.rollouts.client import CompletionsClient
 from posttrain.rollouts.format import Rollout, write_rollouts
-from posttrain.rollouts.scoring import group_advantages, load_reward_funcs, score
+from posttrain.rollouts.scoring import REWARD_FUNCS_SCHEMA, group_advantages, load_reward_funcs, score
 
 
 class SnapshotMismatch(Exception):
@@ -47,6 +47,7 @@ class RolloutSettings(BaseModel):
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["posttrain.rewards:correctness_reward"],
         description="Reward functions by import path (module:function), with TRL's signature.",
+        json_schema_extra=REWARD_FUNCS_SCHEMA,
     )
     reward_weights: list[float] | None = Field(None, description="Weight of each reward function (default 1).")
 

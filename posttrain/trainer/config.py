@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-REWARD_FUNC_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+from posttrain.rollouts.scoring import REWARD_FUNC_PATTERN, REWARD_FUNCS_SCHEMA
 
 
 class ConfigError(ValueError):
@@ -39,6 +39,7 @@ class TrainerConfig(BaseModel):
         default_factory=list,
         description="grpo: reward functions as 'module:function' import paths, "
         "e.g. posttrain.rewards:correctness_reward.",
+        json_schema_extra=REWARD_FUNCS_SCHEMA,
     )
     reward_weights: list[float] | None = Field(
         None, description="grpo: one weight per reward function; None weighs them all 1.0."

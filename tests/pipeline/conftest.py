@@ -104,10 +104,9 @@ class TinySetup:
     token: str  # its bearer token
 
     def settings(self, run_name: str, **overrides) -> dict:
-        """Full ``settings`` of a nightly run on this setup (deployment runs replace the whole dict)."""
+        """The parameters of a small nightly run on this setup (the flows take flat parameters)."""
         return {"run_name": run_name, "base_model": str(self.base_model), "dataset": str(self.dataset),
-                "shared_dir": str(self.shared_dir), "trainer": dict(SMALL_TRAINER), "watch_poll_s": 0.5,
-                **overrides}
+                "shared_dir": str(self.shared_dir), **SMALL_TRAINER, "watch_poll_s": 0.5, **overrides}
 
     def served_identity(self) -> str | None:
         """The snapshot the inference server serves, from its /health endpoint."""

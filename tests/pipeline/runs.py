@@ -21,8 +21,8 @@ def prefect_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
 
 
 def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, timeout: float = 240):
-    """``prefect deployment run NAME --params '{"settings": ...}' --watch``: (completed process, flow run id)."""
-    args = ["deployment", "run", name, "--params", json.dumps({"settings": settings}),
+    """``prefect deployment run NAME --params '<settings as JSON>' --watch``: (completed process, flow run id)."""
+    args = ["deployment", "run", name, "--params", json.dumps(settings),
             "--watch", "--watch-interval", "1", "--watch-timeout", str(int(timeout))]
     if env is not None:
         args += ["--job-variable", "env=" + json.dumps(env)]

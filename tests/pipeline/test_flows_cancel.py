@@ -12,7 +12,7 @@ import pytest
 from posttrain.cluster.local import group_members
 from posttrain.runs.once import JobRecord
 from tests.pipeline.conftest import NIGHTLY
-from tests.pipeline.runs import flow_run_logs, prefect_cli, read_flow_run, run_deployment, wait_final
+from tests.pipeline.runs import flow_run_logs, prefect_cli, read_flow_run, wait_final
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,8 @@ def instance(run: str, flow_run_id: str) -> str:
 def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[str, JobRecord]:
     """Start a nightly deployment run that would train for ages; once it submitted its training job,
     its flow run id and the job's record."""
-    trainer = {**tiny_setup.settings("x")["trainer"], "max_steps": 100000, "save_steps": 100000}
-    proc = prefect_cli("deployment", "run", NIGHTLY, "--params",
-                       json.dumps({"settings": tiny_setup.settings(run, trainer=trainer, **settings)}))
+    params = tiny_setup.settings(run, **{"max_steps": 100000, "save_steps": 100000, **settings})
+    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps(params))
     flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
     marker = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / "training-job.json"
@@ -77,20 +76,6 @@ def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_s
     logs = "\n".join(flow_run_logs(flow_run_id))
     assert f"stopped process group {job.pgid}" in logs, logs[-3000:]
     print(f"trainer gone {stopped_s:.1f} s after the cancel request")
-
-
-@pytest.mark.timeout(240)
-def test_a_run_naming_a_missing_store_block_fails_before_submitting(process_worker, tiny_setup):
-    settings = tiny_setup.settings("flows-nostore", store="posttrain-object-store/nope")
-    proc, flow_run_id = run_deployment(NIGHTLY, settings)
-    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    run = wait_final(flow_run_id)
-    assert run.state.is_failed(), f"{run.state_name}: {run.state.message}"
-    assert "store: cannot load block 'posttrain-object-store/nope'" in run.state.message
-    name = instance("flows-nostore", flow_run_id)
-    assert not (tiny_setup.shared_dir / "runs" / name / "training-job.json").exists()
-    jobs = list(tiny_setup.jobs_dir.glob(f"{name}*")) if tiny_setup.jobs_dir.exists() else []
-    assert jobs == []
 
 
 def sacct_state(job_id: str) -> str:

@@ -24,7 +24,7 @@ def test_nightly_deployment_run_completes_and_serves_the_last_snapshot(process_w
     assert run.state.is_completed(), (f"{run.state_name}: {run.state.message}\n--- CLI\n{proc.stdout[-3000:]}"
                                       f"\n--- worker\n{process_worker.tail()}")
     assert proc.returncode == 0 and "Completed" in proc.stdout
-    assert run.deployment_id is not None and str(run.parameters["settings"]["run_name"]) == "flows-nightly"
+    assert run.deployment_id is not None and str(run.parameters["run_name"]) == "flows-nightly"
     assert run.name.startswith("flows-nightly-"), run.name  # named from the run name, not at random
 
     # Both checkpoints published into the store (ledger of the run, every file of each snapshot)...
@@ -110,19 +110,23 @@ def test_nightly_schedule_is_registered(deployed):
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        ({"unknown_field": 1}, "Additional properties are not allowed ('unknown_field' was unexpected)"),
-        ({"run_name": "Nightly_Run"}, "'Nightly_Run' does not match"),
-        ({"trainer": {"max_steps": "many"}}, "'many' is not valid under any of the given schemas"),
+        ({"unknown_field": 1},
+         "The following parameters were specified but not found on the deployment: 'unknown_field'"),
+        ({"run_name": "Nightly_Run"}, "'Nightly_Run' does not match '^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$'"),
+        ({"max_steps": "many"}, "'many' is not of type 'integer'"),
+        ({"max_steps": -5}, "-5 is less than the minimum of 1"),
+        ({"dataset": "data/prompts.jsonl"}, "'data/prompts.jsonl' does not match '^/'"),
+        ({"reward_funcs": ["correctness"]}, "'correctness' does not match"),
     ],
-    ids=["unknown-field", "run-name-uppercase", "trainer-type"],
+    ids=["unknown-field", "run-name-uppercase", "trainer-type", "bounds", "relative-path", "reward-function"],
 )
 def test_enforced_schema_refuses_bad_parameters(deployed, tiny_setup, bad, message):
     """The server checks parameters against the flow's schema when the run is created: the CLI
     refuses, and no flow run exists to fail later on a worker."""
     settings = {**tiny_setup.settings("flows-bad"), **bad}
-    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps({"settings": settings}))
+    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps(settings))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "Error creating flow run: Validation failed for field" in out
+    assert "Error creating flow run: Validation failed for field" in out or "unknown_field" in bad
     assert message in " ".join(out.split()), out
     assert "Created flow run" not in out

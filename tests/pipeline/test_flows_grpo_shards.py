@@ -27,8 +27,9 @@ def grpo_settings(setup, run_name: str, *, shards: int, reward_funcs: list[str])
 
 def run_grpo(settings):
     from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.parameters import to_parameters
 
-    state = grpo(settings, return_state=True)
+    state = grpo(**to_parameters(settings), return_state=True)
     return state, state.state_details.flow_run_id
 
 

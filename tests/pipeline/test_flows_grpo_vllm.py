@@ -73,6 +73,7 @@ def test_grpo_rounds_sample_from_vllm_and_every_rollout_names_its_version(vllm_s
     from pathlib import Path
 
     from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.parameters import to_parameters
     from posttrain.pipeline.settings import GrpoSettings
     from posttrain.rollouts.format import load_rollouts
 
@@ -85,7 +86,7 @@ def test_grpo_rounds_sample_from_vllm_and_every_rollout_names_its_version(vllm_s
         rollout={"num_generations": 2, "max_completion_length": 4},
         trainer={"learning_rate": 1e-3, "use_cpu": True},
     )
-    state = grpo(settings, return_state=True)
+    state = grpo(**to_parameters(settings), return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
     assert [row["round"] for row in report.rounds] == list(range(ROUNDS))

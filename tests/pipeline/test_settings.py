@@ -21,7 +21,8 @@ TRAINER = {"reward_funcs": ["posttrain.rewards:format_reward"], "max_steps": 2}
 @pytest.mark.parametrize("changes,field,message", [
     ({"trainer": {**TRAINER, "max_steps": 0}}, "trainer", "trainer.max_steps"),
     ({"trainer": {**TRAINER, "learning_rate": -1}}, "trainer", "trainer.learning_rate"),
-    ({"trainer": {"max_steps": 2}}, "trainer", "reward_funcs"),
+    ({"trainer": {"max_steps": 2}}, "trainer.reward_funcs", "Field required"),
+    ({"trainer": {**TRAINER, "reward_funcs": []}}, "trainer.reward_funcs", "at least 1 item"),
     ({"trainer": {**TRAINER, "lr": 1}}, "trainer.lr", "Extra inputs"),
     ({"trainer": TRAINER, "cluster": "foo"}, "cluster", "pattern"),
     ({"trainer": TRAINER, "run_name": "Nightly_Run"}, "run_name", "lowercase"),
@@ -39,7 +40,7 @@ def test_grpo_needs_an_inference_deployment_and_a_valid_step():
         GrpoSettings(**BASE, inference=None)
     with pytest.raises(ValidationError, match="trainer.epsilon"):
         GrpoSettings(**BASE, trainer={"epsilon": 2})
-    assert GrpoSettings(**BASE).trainer.learning_rate is None  # step mode needs no overrides
+    assert GrpoSettings(**BASE).trainer.learning_rate == 1e-6  # step mode needs no settings: TRL's defaults
 
 
 def test_for_flow_run_gives_each_run_its_own_name():

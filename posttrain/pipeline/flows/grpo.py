@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.fsutil import atomic_write
+from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
-from posttrain.pipeline.tasks.blocks import check_blocks
+from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import reward_curve, reward_curve_svg, round_table, size_column
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
@@ -39,12 +40,15 @@ class GrpoReport(BaseModel):
 @flow(name="grpo", flow_run_name=flow_run_name, log_prints=True,
       on_cancellation=[cancel_submitted(GrpoSettings)],
       on_crashed=[cancel_submitted(GrpoSettings)])
+@flat_parameters(GrpoSettings)
 def grpo(settings: GrpoSettings) -> GrpoReport:
+    """GRPO rounds: publish and hot-load the policy, sample rollout shards from it, train one step."""
     logger = get_run_logger()
     card = settings.run_name  # artifact keys: one per run name, a version per run
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
+    check_reward_funcs(settings.rollout.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     rows = read_staged_rows(staged.manifest_path)
     current = settings.base_model
@@ -67,7 +71,8 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
         n, mean, std, spread = pooled_rewards(shards)
         trainer = trainer_config(settings.trainer, mode="step", model_name_or_path=current,
-                                 output_dir=run_dir / "policy", rollouts=rollouts)
+                                 output_dir=run_dir / "policy", rollouts=rollouts,
+                                 temperature=settings.rollout.temperature)
         current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
                              card=card)
         table.append({

@@ -10,8 +10,9 @@ from prefect.artifacts import update_progress_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
+from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
-from posttrain.pipeline.tasks.blocks import check_blocks
+from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table
@@ -42,12 +43,15 @@ class NightlyReport(BaseModel):
 @flow(name="nightly-post-training", flow_run_name=flow_run_name, log_prints=True,
       on_cancellation=[cancel_submitted(NightlySettings)],
       on_crashed=[cancel_submitted(NightlySettings)])
+@flat_parameters(NightlySettings)
 def nightly_post_training(settings: NightlySettings) -> NightlyReport:
+    """Stage the dataset, train on the cluster, and publish and hot-load every checkpoint."""
     logger = get_run_logger()
     card = settings.run_name  # artifact keys: one per run name, a version per night
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
+    check_reward_funcs(settings.trainer.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     trainer = trainer_config(settings.trainer, mode="grpo", model_name_or_path=settings.base_model,
                              output_dir=run_dir / "output", dataset_manifest=staged.manifest_path)

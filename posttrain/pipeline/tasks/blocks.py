@@ -1,9 +1,12 @@
-"""Loading the blocks a run names, inside tasks (blocks are looked up, never passed around)."""
+"""Checks before anything is submitted: the blocks a run names (looked up inside tasks, never
+passed around) and its reward functions."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.blocks.core import Block
+
+from posttrain.rollouts.scoring import load_reward_funcs
 
 
 def load_block(ref: str, what: str) -> Block:
@@ -25,3 +28,10 @@ def check_blocks(cluster: str, store: str, inference: str | None) -> None:
     for what, ref in (("cluster", cluster), ("store", store), ("inference", inference)):
         if ref is not None:
             load_block(ref, what)
+
+
+@task(name="check-reward-funcs")
+def check_reward_funcs(paths: list[str]) -> None:
+    """Import the run's reward functions before anything is submitted: an unknown one fails the
+    run here, named (``reward_funcs[i]``), not later inside the training job or a rollout shard."""
+    load_reward_funcs(paths)

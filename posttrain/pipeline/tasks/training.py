@@ -14,6 +14,7 @@ from prefect import get_run_logger, task
 from prefect.logging.loggers import flow_run_logger
 
 from posttrain.cluster import ClusterConfig
+from posttrain.pipeline.parameters import from_parameters
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.report import log_links
 from posttrain.runs.job import TrainingSettings
@@ -72,7 +73,7 @@ def cancel_submitted(settings_model: type) -> Callable:
 
     def cancel_training_jobs(flow, flow_run, state) -> None:
         logger = flow_run_logger(flow_run, flow)
-        settings = settings_model.model_validate(flow_run.parameters["settings"]).for_flow_run(str(flow_run.id))
+        settings = from_parameters(settings_model, flow_run.parameters).for_flow_run(str(flow_run.id))
         markers = submitted_markers(settings.run_dir)
         if not markers:
             logger.info("flow run %s: no training job was submitted; nothing to cancel", state.name)

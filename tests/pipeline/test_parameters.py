@@ -1,0 +1,94 @@
+"""The flows' flat parameters: one typed top-level parameter per setting, checked by the schema
+Prefect enforces when a run is created, and turned back into the typed settings with errors that
+name the parameter."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from posttrain.pipeline.parameters import ParameterError, from_parameters, parameter_fields, to_parameters
+from posttrain.pipeline.settings import GrpoSettings, NightlySettings
+
+BASE = dict(run_name="nightly", base_model="/m", dataset="/d.jsonl", shared_dir="/shared")
+NIGHTLY = {**BASE, "reward_funcs": ["posttrain.rewards:format_reward"], "max_steps": 2}
+
+
+def schema(flow) -> dict:
+    return flow.parameters.model_dump()
+
+
+def test_every_setting_is_a_top_level_parameter_and_round_trips():
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+
+    nightly = from_parameters(NightlySettings, {**NIGHTLY, "learning_rate": 5e-5, "max_deltas": 3})
+    assert nightly.trainer.learning_rate == 5e-5 and nightly.publish.max_deltas == 3
+    assert nightly.trainer.save_steps == 100  # not given: the trainer's default
+    assert from_parameters(NightlySettings, to_parameters(nightly)) == nightly
+    assert set(schema(nightly_post_training)["properties"]) == set(parameter_fields(NightlySettings))
+    assert set(schema(grpo)["properties"]) == set(parameter_fields(GrpoSettings))
+    # GRPO: the rollouts' sampling settings; the step trainer has no sampling fields of its own.
+    assert {"num_generations", "temperature", "reward_funcs", "importance_sampling_cap"} <= set(
+        schema(grpo)["properties"])
+    assert "max_steps" not in schema(grpo)["properties"]
+
+
+@pytest.mark.parametrize(("bad", "names"), [
+    ({"learning_rate": -1}, "learning_rate"),
+    ({"max_steps": 0}, "max_steps"),
+    ({"reward_funcs": ["nope"]}, "'module:function'"),
+    ({"base_model": "relative/model"}, "base_model"),
+    ({"max_deltas": 100000}, "max_deltas"),
+    ({"lr": 1}, "unknown parameters: lr"),
+    ({"per_device_train_batch_size": 3, "num_generations": 2}, "multiple of num_generations"),
+])
+def test_bad_parameters_are_named_without_their_group(bad, names):
+    with pytest.raises(ParameterError) as e:
+        from_parameters(NightlySettings, {**NIGHTLY, **bad})
+    assert names in str(e.value)
+    assert "trainer." not in str(e.value) and "publish." not in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("bad", "where"), [
+    ({"max_steps": -5}, "minimum"),
+    ({"learning_rate": 0}, "exclusiveMinimum"),
+    ({"base_model": "models/tiny"}, "pattern"),
+    ({"shared_dir": "shared"}, "pattern"),
+    ({"reward_funcs": ["posttrain.rewards"]}, "pattern"),
+    ({"reward_funcs": []}, "minItems"),
+    ({"run_name": "Nightly"}, "pattern"),
+    ({"run_name": "x" * 37}, "pattern"),
+    ({"store": "nope"}, "pattern"),
+    ({"lr": 1e-5}, "additionalProperties"),
+])
+def test_the_schema_refuses_what_the_settings_refuse(bad, where):
+    """What a deployment with enforce_parameter_schema checks when the run is created (Prefect
+    validates against this schema with jsonschema, additionalProperties off)."""
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+
+    s = schema(nightly_post_training)
+    s["additionalProperties"] = False
+    jsonschema.validate({**NIGHTLY}, s)  # the good parameters pass
+    with pytest.raises(jsonschema.ValidationError) as e:
+        jsonschema.validate({**NIGHTLY, **bad}, s)
+    assert e.value.validator == where
+    with pytest.raises((ParameterError, ValueError)):
+        from_parameters(NightlySettings, {**NIGHTLY, **bad})
+
+
+def test_the_run_name_pattern_survives_rich_markup():
+    """Prefect's CLI prints a refused pattern through rich: no bracket may start with a letter."""
+    from rich.text import Text
+
+    from posttrain.pipeline.settings import BLOCK_REF, RUN_NAME_RE
+
+    for pattern in (RUN_NAME_RE.pattern, BLOCK_REF):
+        assert Text.from_markup(pattern).plain == pattern
+
+
+def test_grpo_step_samples_at_the_rollouts_temperature():
+    settings = from_parameters(GrpoSettings, {**BASE, "temperature": 0.7})
+    assert settings.rollout.temperature == 0.7
+    assert "temperature" not in type(settings.trainer).model_fields
