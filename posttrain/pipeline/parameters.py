@@ -15,11 +15,13 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+from posttrain.pipeline.settings import BLOCK_PARAMETERS
 
 #: Settings fields whose model's fields become top-level parameters.
 GROUPS = ("publish", "trainer", "rollout")
@@ -81,8 +83,10 @@ def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     constraints = copy.copy(field)  # bounds, pattern, schema extras; the default goes on the parameter
     constraints.default, constraints.default_factory = PydanticUndefined, None
     default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[field.annotation, constraints])
+    annotation = Annotated[field.annotation, constraints]
+    if name in BLOCK_PARAMETERS:  # a saved block (the UI form's picker) or its <slug>/<name>
+        annotation = Union[(*BLOCK_PARAMETERS[name], annotation)]  # noqa: UP007
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 def flat_parameters(model: type[BaseModel]) -> Callable[[Callable], Callable]:

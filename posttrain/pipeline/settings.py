@@ -9,10 +9,12 @@ from types import UnionType
 from typing import Union, get_args, get_origin
 
 from annotated_types import MinLen
+from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic_core import PydanticUndefined
 
 from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor
+from posttrain.pipeline.blocks import InferenceDeployment, KubernetesCluster, LocalCluster, ObjectStore, SlurmCluster
 from posttrain.rollouts.shard import RolloutSettings
 from posttrain.trainer.config import TrainerConfig
 
@@ -21,6 +23,31 @@ from posttrain.trainer.config import TrainerConfig
 RUN_NAME_RE = re.compile(r"^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$")
 BLOCK_REF = r"^[0-9a-z][-0-9a-z]*/[0-9A-Za-z][-0-9A-Za-z_.]*$"  # <block-type-slug>/<name>
 ABSOLUTE = {"pattern": "^/"}  # in the schema, so a deployment refuses a relative path when the run is created
+
+#: Parameters that name a block. The CLI gives ``<slug>/<name>``; the UI's run form also offers a
+#: picker of the saved blocks of these types (Prefect passes a reference to the one picked).
+BLOCK_PARAMETERS = {"cluster": (LocalCluster, SlurmCluster, KubernetesCluster), "store": (ObjectStore,),
+                    "inference": (InferenceDeployment,)}
+
+
+def block_ref(value):
+    """A block parameter as ``<slug>/<name>``: a name as given, or a picked block (the block, or
+    Prefect's ``{"$ref": ...}`` to it, as a flow run's stored parameters hold it)."""
+    if isinstance(value, dict) and "$ref" in value:
+        ref = value["$ref"]
+        if isinstance(ref, dict) and isinstance(ref.get("block_document_slug"), str):
+            return ref["block_document_slug"]
+        try:
+            value = Block.load_from_ref(ref)
+        except Exception as e:  # noqa: BLE001 - say which reference could not be resolved
+            raise ValueError(f"cannot load the block picked ({ref}): {type(e).__name__}: {e}") from None
+    if isinstance(value, Block):
+        name = getattr(value, "_block_document_name", None)
+        if not name or getattr(value, "_is_anonymous", False):
+            raise ValueError("pick a saved block (one with a name), or give <block-type-slug>/<name>")
+        return f"{value.get_block_type_slug()}/{name}"
+    return value
+
 
 # Fields the flows fill in themselves.
 _FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts"}
@@ -109,6 +136,8 @@ class RunSettings(BaseModel):
         description="Inference deployment block, or null for none.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
+
+    _blocks = field_validator(*BLOCK_PARAMETERS, mode="before")(lambda cls, v: block_ref(v))
 
     @field_validator("run_name")
     @classmethod

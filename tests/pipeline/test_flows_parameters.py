@@ -62,10 +62,13 @@ def test_one_param_changes_exactly_that_field_of_the_job(process_worker, tiny_se
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("params", "message"), [
     ({"store": "posttrain-object-store/nope"}, "store: cannot load block 'posttrain-object-store/nope'"),
+    # The UI form's block picker sends a reference to a saved block: accepted by the schema and the flow.
+    ({"cluster": {"$ref": {"block_document_slug": "posttrain-local-cluster/default"}},
+      "store": "posttrain-object-store/nope"}, "store: cannot load block 'posttrain-object-store/nope'"),
     ({"reward_funcs": ["posttrain.rewards:nope"]},
      "reward_funcs[0] 'posttrain.rewards:nope': 'posttrain.rewards' has no function 'nope'"),
     ({"reward_funcs": ["posttrain.nowhere:reward"]}, "reward_funcs[0] 'posttrain.nowhere:reward': cannot import"),
-], ids=["missing-store-block", "unknown-reward-function", "unknown-reward-module"])
+], ids=["missing-store-block", "picked-cluster-block", "unknown-reward-function", "unknown-reward-module"])
 def test_what_the_schema_cannot_check_fails_before_submitting(process_worker, tiny_setup, params, message):
     proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings("flows-early", **params))
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"

@@ -92,3 +92,9 @@ def test_grpo_step_samples_at_the_rollouts_temperature():
     settings = from_parameters(GrpoSettings, {**BASE, "temperature": 0.7})
     assert settings.rollout.temperature == 0.7
     assert "temperature" not in type(settings.trainer).model_fields
+
+
+def test_a_picked_block_is_named_like_a_given_one():
+    """The UI's picker sends Prefect's reference to a saved block; a run's stored parameters keep it."""
+    picked = {"$ref": {"block_document_slug": "posttrain-object-store/nightly"}}
+    assert from_parameters(NightlySettings, {**NIGHTLY, "store": picked}).store == "posttrain-object-store/nightly"
