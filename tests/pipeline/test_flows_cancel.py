@@ -1,5 +1,5 @@
-"""Cancelling a nightly deployment run stops its training job, and a run naming a block that does
-not exist fails before it submits anything (real Prefect server, process worker, local trainer)."""
+"""Cancelling a nightly deployment run stops its training job (real Prefect server, process worker;
+the local trainer, and Slurm's when the suite runs it)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from posttrain.cluster.local import group_members
 from posttrain.runs.once import JobRecord
 from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.run_events import named, wait_events
 from tests.pipeline.runs import flow_run_logs, prefect_cli, read_flow_run, wait_final
 
 pytestmark = pytest.mark.slow
@@ -75,6 +76,12 @@ def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_s
     assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
     logs = "\n".join(flow_run_logs(flow_run_id))
     assert f"stopped process group {job.pgid}" in logs, logs[-3000:]
+    events = wait_events(flow_run_id, lambda ev: named(ev, "posttrain.job.cancelled"))
+    (cancelled,) = named(events, "posttrain.job.cancelled")
+    assert cancelled.resource.id == f"posttrain.job.local.{job.job_id}"
+    assert f"stopped process group {job.pgid}" in cancelled.payload["reason"], cancelled.payload
+    assert [e.event for e in events if e.event.startswith("posttrain.job.")] == ["posttrain.job.submitted",
+                                                                                 "posttrain.job.cancelled"]
     print(f"trainer gone {stopped_s:.1f} s after the cancel request")
 
 

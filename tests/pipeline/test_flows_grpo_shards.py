@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
+from tests.pipeline.run_events import named, wait_events
 from tests.pipeline.runs import overlapping, read_flow_run, subflow_runs, task_runs
 
 pytestmark = pytest.mark.slow
@@ -106,3 +107,17 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     for column in ("reward mean", "reward std", "samples", "policy version", "delta % of full", "publish s",
                    "hot-load s"):
         assert column in str(table.data), column
+
+    # Its events: the round finished (with the round's rewards and snapshot), the step job's end.
+    events = wait_events(flow_run_id, lambda ev: named(ev, "posttrain.round.finished")
+                         and named(ev, "posttrain.job.completed"))
+    (finished,) = named(events, "posttrain.round.finished")
+    row = state.result().rounds[0]
+    assert finished.resource.id == f"posttrain.run.{name}" and finished.resource["posttrain.round"] == "0"
+    assert finished.payload["samples"] == row["samples"] > 0
+    assert round(finished.payload["reward_mean"], 4) == row["reward mean"]
+    assert round(finished.payload["reward_std"], 4) == row["reward std"]
+    assert finished.payload["snapshot"] == row["snapshot"]
+    (job,) = named(events, "posttrain.job.completed")
+    assert job.payload["run_name"] == name and job.payload["backend"] == "local"
+    assert len(named(events, "posttrain.job.submitted")) == 1

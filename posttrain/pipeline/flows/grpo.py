@@ -16,6 +16,7 @@ from posttrain.datasets.staging import read_staged_rows
 from posttrain.fsutil import atomic_write
 from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
+from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
 from posttrain.pipeline.tasks.report import reward_curve, reward_curve_svg, round_table, size_column
@@ -83,6 +84,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
             "round s": round(time.perf_counter() - t0, 2),
         })
         round_table(card, table)
+        events.round_finished(settings.run_name, r, n, mean, std, identity)
         reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
         logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
     final = publish_checkpoint(current, settings.rounds, settings)

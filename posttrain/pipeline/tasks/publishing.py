@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
 from posttrain.chain.policy import ChainPolicy
 from posttrain.inference.contract import HotLoadResult
 from posttrain.pipeline.settings import RunSettings
+from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import load_block
-from posttrain.pipeline.tasks.retry import transient_only
+from posttrain.pipeline.tasks.retry import is_transient, transient_only
 from posttrain.publish import PublishConfig, PublishedSnapshot, Publisher
 
 
@@ -37,7 +39,17 @@ def publish_checkpoint(checkpoint: str, step: int, run: RunSettings) -> Publishe
         done = publisher.publish_step(Path(checkpoint), step)
     get_run_logger().info("published %s %s (step %d): %d bytes, uploaded %d", done.kind, done.identity, step,
                           done.stored_bytes, done.uploaded_bytes)
+    events.snapshot_published(run.run_name, run.store, done)
     return done
+
+
+def retried(exc: BaseException) -> bool:
+    """Whether the running task will be retried after raising ``exc`` (its retry condition, and
+    retries left)."""
+    context = TaskRunContext.get()
+    if context is None or not is_transient(exc):
+        return False
+    return context.task_run.run_count <= (context.task.retries or 0)
 
 
 @task(name="hot-load", retries=2, retry_delay_seconds=exponential_backoff(5), retry_condition_fn=transient_only,
@@ -48,11 +60,22 @@ def hot_load(snapshot: PublishedSnapshot, run: RunSettings) -> HotLoadResult:
 
     def publish_full() -> str:
         with open_publisher(run) as publisher:
-            return publisher.publish_full().identity
+            full = publisher.publish_full()
+        events.snapshot_published(run.run_name, run.store, full)
+        return full.identity
 
     base = snapshot.base if snapshot.kind == "delta" else None
-    with deployment.hot_loader(publish_full=publish_full) as loader:
-        result = loader.hot_load(snapshot.identity, base_identity=base)
+    where = {"deployment_id": getattr(deployment, "deployment_id", None)}
+    try:
+        with deployment.hot_loader(publish_full=publish_full) as loader:
+            result = loader.hot_load(snapshot.identity, base_identity=base)
+    except Exception as e:
+        token = getattr(deployment, "token", None)
+        secrets = (token.get_secret_value(),) if token is not None else ()
+        events.hotload_failed(run.run_name, run.inference, snapshot.identity, e, will_retry=retried(e),
+                              secrets=secrets, **where)
+        raise
+    events.hotload_succeeded(run.run_name, run.inference, snapshot.identity, result, **where)
     get_run_logger().info("hot-loaded %s in %.1fs%s", result.identity, result.seconds,
                           " (fell back to a full snapshot)" if result.fell_back else "")
     return result

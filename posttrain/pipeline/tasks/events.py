@@ -1,0 +1,131 @@
+"""Prefect events of a run: one function per event, so a flow or task emits each in one line.
+
+Events (``prefect.events.emit_event``), their primary resource, and what they carry:
+
+- ``posttrain.snapshot.published``: ``posttrain.snapshot.<identity>``; step, kind (full/delta),
+  stored and uploaded bytes; related: the run and the store block.
+- ``posttrain.hotload.succeeded`` / ``posttrain.hotload.failed``: the inference deployment block
+  ``posttrain.block.<slug>.<name>`` (label ``posttrain.snapshot``: the identity); seconds, fallback,
+  or the error (type and message, the block's token masked) and whether the task retries it
+  (label ``posttrain.will-retry``: ``true``/``false``); related: the snapshot and the run.
+- ``posttrain.round.finished``: the run ``posttrain.run.<run_name>`` (label ``posttrain.round``);
+  samples, reward mean and std; related: the round's snapshot.
+- ``posttrain.job.submitted`` / ``completed`` / ``failed`` / ``cancelled``: the training job
+  ``posttrain.job.<backend>.<job_id>``; job id, backend, run name (and the reason of a failure or
+  cancellation); related: the run.
+
+Emitted inside a flow or task run, Prefect adds the flow run, task run, flow and deployment as
+related resources. Events that state a fact once (a snapshot published, a job's submission and
+its end) carry an id derived from what they describe, so a retried flow run reporting it again
+records no second event (the server ignores an event id it has).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from prefect.events import emit_event
+
+from posttrain.runs.once import JobRecord
+
+_NAMESPACE = uuid.UUID("5d0c0f5e-6b1e-4f4c-9d7a-0c2f3b8a7e11")  # event ids of facts stated once
+ERROR_MAX = 2000  # characters of an error message an event carries
+
+
+def run_resource(run_name: str, role: str = "run") -> dict[str, str]:
+    return {"prefect.resource.id": f"posttrain.run.{run_name}", "prefect.resource.name": run_name,
+            "prefect.resource.role": role}
+
+
+def snapshot_resource(identity: str, role: str | None = None) -> dict[str, str]:
+    found = {"prefect.resource.id": f"posttrain.snapshot.{identity}", "prefect.resource.name": identity}
+    return found | ({"prefect.resource.role": role} if role else {})
+
+
+def block_resource(ref: str, role: str | None = None) -> dict[str, str]:
+    """A block named ``<slug>/<name>`` (as the run settings name it)."""
+    found = {"prefect.resource.id": "posttrain.block." + ref.replace("/", "."), "prefect.resource.name": ref}
+    return found | ({"prefect.resource.role": role} if role else {})
+
+
+def job_resource(job: JobRecord) -> dict[str, str]:
+    return {"prefect.resource.id": f"posttrain.job.{job.backend}.{job.job_id}", "prefect.resource.name": job.name,
+            "posttrain.backend": job.backend}
+
+
+def job_run_name(job: JobRecord) -> str:
+    """The run a job belongs to: its output folder lies in the run folder (``<shared>/runs/<run_name>``)."""
+    return job.output_dir.rstrip("/").rsplit("/", 2)[-2]
+
+
+def _once(*parts: object) -> uuid.UUID:
+    return uuid.uuid5(_NAMESPACE, "/".join(str(p) for p in parts))
+
+
+def _emit(event: str, resource: dict[str, str], related: list[dict[str, str]], payload: dict[str, Any],
+          id: uuid.UUID | None = None) -> None:
+    emit_event(event, resource=resource, related=related, payload=payload, id=id)
+
+
+def snapshot_published(run_name: str, store: str, snapshot) -> None:
+    """``snapshot``: a ``posttrain.publish.PublishedSnapshot``."""
+    resource = snapshot_resource(snapshot.identity) | {"posttrain.kind": snapshot.kind,
+                                                       "posttrain.step": str(snapshot.step)}
+    payload = {"run_name": run_name, "step": snapshot.step, "kind": snapshot.kind, "base": snapshot.base,
+               "stored_bytes": snapshot.stored_bytes, "uploaded_bytes": snapshot.uploaded_bytes, "store": store}
+    _emit("posttrain.snapshot.published", resource, [run_resource(run_name), block_resource(store, "store")],
+          payload, id=_once("posttrain.snapshot.published", run_name, snapshot.identity))
+
+
+def _deployment(inference: str, identity: str, deployment_id: str | None, **labels: str) -> dict[str, str]:
+    resource = block_resource(inference) | {"posttrain.snapshot": identity}
+    return resource | ({"posttrain.deployment-id": deployment_id} if deployment_id else {}) | labels
+
+
+def hotload_succeeded(run_name: str, inference: str, identity: str, result, deployment_id: str | None = None) -> None:
+    """``identity``: the snapshot asked for; ``result``: the ``HotLoadResult`` (what is served now)."""
+    payload = {"run_name": run_name, "inference": inference, "requested": identity, "identity": result.identity,
+               "fell_back": result.fell_back, "seconds": round(result.seconds, 3),
+               "snapshot_type": result.snapshot_type}
+    related = [snapshot_resource(result.identity, "snapshot"), run_resource(run_name)]
+    if result.identity != identity:
+        related.append(snapshot_resource(identity, "requested-snapshot"))
+    _emit("posttrain.hotload.succeeded", _deployment(inference, result.identity, deployment_id), related, payload)
+
+
+def hotload_failed(run_name: str, inference: str, identity: str, error: BaseException, *, will_retry: bool,
+                   deployment_id: str | None = None, secrets: tuple[str, ...] = ()) -> None:
+    """The error's message with every string of ``secrets`` masked, at most ERROR_MAX characters."""
+    message = str(error)
+    for secret in secrets:
+        if secret:
+            message = message.replace(secret, "***")
+    payload = {"run_name": run_name, "inference": inference, "identity": identity,
+               "error_type": type(error).__name__, "error": message[:ERROR_MAX], "will_retry": will_retry}
+    resource = _deployment(inference, identity, deployment_id, **{"posttrain.will-retry": str(will_retry).lower()})
+    _emit("posttrain.hotload.failed", resource, [snapshot_resource(identity, "snapshot"), run_resource(run_name)],
+          payload)
+
+
+def round_finished(run_name: str, round: int, samples: int, reward_mean: float, reward_std: float,
+                   identity: str) -> None:
+    resource = run_resource(run_name) | {"posttrain.round": str(round)}
+    resource.pop("prefect.resource.role")
+    payload = {"run_name": run_name, "round": round, "samples": samples, "reward_mean": reward_mean,
+               "reward_std": reward_std, "snapshot": identity}
+    _emit("posttrain.round.finished", resource, [snapshot_resource(identity, "snapshot")], payload)
+
+
+def job_event(state: str, job: JobRecord, reason: str | None = None,
+              related: list[dict[str, str]] | None = None) -> None:
+    """``posttrain.job.<state>``: submitted, completed, failed or cancelled (``reason``: why it failed, or
+    how it was stopped)."""
+    run_name = job_run_name(job)
+    payload = {"job_id": job.job_id, "backend": job.backend, "run_name": run_name, "job_name": job.name,
+               "log_path": job.log_path}
+    if reason is not None:
+        payload["reason"] = reason[:ERROR_MAX]
+    event = f"posttrain.job.{state}"
+    _emit(event, job_resource(job), [run_resource(run_name), *(related or [])], payload,
+          id=_once(event, run_name, job.backend, job.job_id))
