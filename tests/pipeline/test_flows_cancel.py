@@ -3,7 +3,6 @@ not exist fails before it submits anything (real Prefect server, process worker,
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -12,7 +11,14 @@ import pytest
 from posttrain.cluster.local import group_members
 from posttrain.runs.once import JobRecord
 from tests.pipeline.conftest import NIGHTLY
-from tests.pipeline.runs import flow_run_logs, prefect_cli, read_flow_run, run_deployment, wait_final
+from tests.pipeline.runs import (
+    flow_run_logs,
+    prefect_cli,
+    read_flow_run,
+    run_deployment,
+    start_deployment,
+    wait_final,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +31,7 @@ def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[st
     """Start a nightly deployment run that would train for ages; once it submitted its training job,
     its flow run id and the job's record."""
     trainer = {**tiny_setup.settings("x")["trainer"], "max_steps": 100000, "save_steps": 100000}
-    proc = prefect_cli("deployment", "run", NIGHTLY, "--params",
-                       json.dumps({"settings": tiny_setup.settings(run, trainer=trainer, **settings)}))
-    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
+    proc, flow_run_id = start_deployment(NIGHTLY, tiny_setup.settings(run, trainer=trainer, **settings))
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
     marker = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / "training-job.json"
     deadline = time.monotonic() + 120
