@@ -184,6 +184,7 @@ def deployed(tiny_setup: TinySetup) -> Deployed:
     (and its scheduled runs deleted), so a real 02:00 run can never land on this session's worker."""
     from prefect import get_client
     from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter
+    from prefect.states import Cancelled
 
     setup = _cli([sys.executable, "-m", "posttrain", "prefect-setup"])
     assert setup.returncode == 0, f"posttrain prefect-setup failed:\n{setup.stdout}{setup.stderr}"
@@ -205,6 +206,15 @@ def deployed(tiny_setup: TinySetup) -> Deployed:
                                           flow_run_filter=FlowRunFilter(state={"type": {"any_": ["SCHEDULED"]}}))
         for run in scheduled:
             client.delete_flow_run(run.id)
+        # Runs that an interrupted earlier session left unfinished hold a deployment's one
+        # concurrency slot (until their lease expires, minutes later): end them, which frees it.
+        ids = [d.id, client.read_deployment_by_name("grpo/grpo").id]
+        stale = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": ids}),
+                                      flow_run_filter=FlowRunFilter(
+                                          state={"type": {"any_": ["PENDING", "RUNNING", "CANCELLING"]}}))
+        for run in stale:
+            client.set_flow_run_state(run.id, Cancelled(message="left unfinished by an earlier test session"),
+                                      force=True)
     return deployed
 
 

@@ -20,15 +20,35 @@ def prefect_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, timeout: float = 240):
-    """``prefect deployment run NAME --params '<settings as JSON>' --watch``: (completed process, flow run id)."""
-    args = ["deployment", "run", name, "--params", json.dumps(settings),
-            "--watch", "--watch-interval", "1", "--watch-timeout", str(int(timeout))]
+def deployment_run_args(name: str, settings: dict, *, watch_timeout: float | None = None,
+                        env: dict[str, str] | None = None) -> list[str]:
+    """The arguments of ``prefect deployment run NAME`` for a run of ``settings``; with ``watch_timeout``,
+    ``--watch`` for that long. The one place that knows how settings become the flows' parameters."""
+    args = ["deployment", "run", name, "--params", json.dumps(settings)]
+    if watch_timeout is not None:
+        args += ["--watch", "--watch-interval", "1", "--watch-timeout", str(int(watch_timeout))]
     if env is not None:
         args += ["--job-variable", "env=" + json.dumps(env)]
-    proc = prefect_cli(*args, timeout=timeout + 30)
-    match = re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout)
-    return proc, (match.group(1) if match else None)
+    return args
+
+
+def flow_run_id_in(output: str) -> str | None:
+    """The flow run id ``prefect deployment run`` printed (its ``UUID:`` line)."""
+    match = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    return match.group(1) if match else None
+
+
+def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, timeout: float = 240):
+    """``prefect deployment run NAME --params '<settings as JSON>' --watch``: (completed process, flow run id)."""
+    proc = prefect_cli(*deployment_run_args(name, settings, watch_timeout=timeout, env=env), timeout=timeout + 30)
+    return proc, flow_run_id_in(proc.stdout)
+
+
+def start_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None):
+    """``prefect deployment run NAME --params '<settings as JSON>'`` without watching (it returns once the
+    flow run is created): (completed process, flow run id)."""
+    proc = prefect_cli(*deployment_run_args(name, settings, env=env), timeout=120)
+    return proc, flow_run_id_in(proc.stdout)
 
 
 def read_flow_run(flow_run_id: str | UUID):

@@ -3,7 +3,6 @@ the local trainer, and Slurm's when the suite runs it)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -13,7 +12,13 @@ from posttrain.cluster.local import group_members
 from posttrain.runs.once import JobRecord
 from tests.pipeline.conftest import NIGHTLY
 from tests.pipeline.run_events import named, wait_events
-from tests.pipeline.runs import flow_run_logs, prefect_cli, read_flow_run, wait_final
+from tests.pipeline.runs import (
+    flow_run_logs,
+    prefect_cli,
+    read_flow_run,
+    start_deployment,
+    wait_final,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +31,7 @@ def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[st
     """Start a nightly deployment run that would train for ages; once it submitted its training job,
     its flow run id and the job's record."""
     params = tiny_setup.settings(run, **{"max_steps": 100000, "save_steps": 100000, **settings})
-    proc = prefect_cli("deployment", "run", NIGHTLY, "--params", json.dumps(params))
-    flow_run_id = next((w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4), None)
+    proc, flow_run_id = start_deployment(NIGHTLY, params)
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
     marker = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / "training-job.json"
     deadline = time.monotonic() + 120

@@ -1,0 +1,97 @@
+"""A nightly run started while another is running waits for it (the deployment's concurrency limit,
+collision strategy ENQUEUE) and says so: in the API its state is Scheduled, named
+AwaitingConcurrencySlot; ``prefect deployment run --watch`` prints that state and goes on watching
+until the run has really run; without --watch the command returns at once (exit 0) and the waiting
+run can be withdrawn with ``prefect flow-run cancel``. Real Prefect server and process worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.runs import (
+    REPO,
+    deployment_run_args,
+    flow_run_id_in,
+    flow_run_logs,
+    prefect_cli,
+    read_flow_run,
+    start_deployment,
+    wait_final,
+)
+from tests.pipeline.test_flows_cancel import start_long_run
+
+pytestmark = pytest.mark.slow
+
+WAITING = "AwaitingConcurrencySlot"
+
+
+def wait_state_name(flow_run_id: str, name: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while True:
+        run = read_flow_run(flow_run_id)
+        if run.state_name == name:
+            return run
+        assert not run.state.is_final(), f"{run.state_name}: {run.state.message}"
+        assert time.monotonic() < deadline, f"flow run {flow_run_id} still {run.state_name} after {timeout} s"
+        time.sleep(0.3)
+
+
+@pytest.mark.timeout(480)
+def test_a_nightly_started_during_another_waits_for_the_slot(process_worker, tiny_setup, tmp_path):
+    first, _ = start_long_run(tiny_setup, process_worker, "flows-limit-first")
+
+    watched = tmp_path / "watch.out"
+    with open(watched, "w") as out:  # the second run, started and watched as a user would
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "prefect",
+             *deployment_run_args(NIGHTLY, tiny_setup.settings("flows-limit-second"), watch_timeout=360)],
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (second := flow_run_id_in(watched.read_text())):
+            assert watch.poll() is None and time.monotonic() < deadline, watched.read_text()
+            time.sleep(0.2)
+        run = wait_state_name(second, WAITING)
+        assert run.state.is_scheduled()
+        # the worker tried, and says in the run's logs why it did not start it (logs arrive in batches)
+        deadline = time.monotonic() + 20
+        while "Server returned a non-pending state 'SCHEDULED'" not in (logs := "\n".join(flow_run_logs(second))):
+            assert time.monotonic() < deadline, logs
+            time.sleep(0.5)
+
+        # a third, not watched: the command returns at once and the run waits too; cancelling it
+        # withdraws it without ever starting it
+        proc, third = start_deployment(NIGHTLY, tiny_setup.settings("flows-limit-third"))
+        assert proc.returncode == 0 and third, proc.stdout + proc.stderr
+        assert "Created flow run" in proc.stdout
+        wait_state_name(third, WAITING)
+        cancel = prefect_cli("flow-run", "cancel", third)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        third_run = wait_final(third, timeout=30)
+        assert third_run.state.is_cancelled() and third_run.run_count == 0  # it never ran
+
+        assert watch.poll() is None, watched.read_text()  # still watching the waiting run
+        assert read_flow_run(second).state_name == WAITING
+        cancel = prefect_cli("flow-run", "cancel", first)  # the first ends: the slot frees
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        first_run = wait_final(first, timeout=60)
+        assert first_run.state.is_cancelled()
+        rc = watch.wait(timeout=300)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    printed = watched.read_text()
+    print(printed)
+    assert rc == 0, f"{printed}\n{process_worker.tail()}"
+    assert f"prefect.flow-run.{WAITING}" in printed
+    assert "prefect.flow-run.Running" in printed
+    assert "Flow run finished successfully in 'Completed'" in printed
+    second_run = read_flow_run(second)
+    assert second_run.state.is_completed()
+    assert second_run.start_time >= first_run.end_time  # never two at once
