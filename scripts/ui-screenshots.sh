@@ -5,7 +5,7 @@
 #
 # Starts a Prefect server with its UI on a non-default port in a state folder of its own
 # (scripts/services/start-prefect.sh), runs `posttrain demo` against it (a nightly pass and GRPO
-# rounds: table, progress, markdown and reward-curve image artifacts), then takes screenshots with
+# rounds: table, progress, markdown and reward-curve (inline SVG) artifacts), then takes screenshots with
 # headless Chromium (Debian's `chromium`; installed with apt-get when missing, needs root) of the
 # GRPO and nightly flow run pages, the artifacts page and each artifact's page. Writes PNGs, the
 # reward curve's SVG and artifacts.json (every artifact of the two runs, as the API lists them:
@@ -48,7 +48,7 @@ echo "running posttrain demo against $PREFECT_API_URL (log: $OUT/demo.log)"
 
 # The newest GRPO and nightly flow runs, their artifacts (artifacts.json), the pages to capture.
 "$PYTHON" - "$PREFECT_API_URL" "$UI" "$OUT" >"$OUT/pages.txt" <<'EOF'
-import json, sys, urllib.request
+import json, re, sys, urllib.request
 api, ui, out = sys.argv[1:4]
 
 def post(path, body):
@@ -77,10 +77,11 @@ for flow, slug in (("grpo", "grpo"), ("nightly-post-training", "nightly")):
                       "data": data if len(data) <= 300 else data[:300] + "..."})
         name = f"artifact-{slug}-{a['key'] or 'unkeyed-' + str(a['type']) + '-' + a['id'][:8]}"
         pages.append((name, f"{ui}/artifacts/artifact/{a['id']}"))
-        if a["type"] == "image" and str(a["data"]).startswith("data:image/svg+xml;base64,"):
+        svg = re.search(r"data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)", str(a["data"]))
+        if svg:  # the reward curve: a markdown artifact with the SVG inline
             import base64
             with open(f"{out}/{a['key']}.svg", "wb") as f:
-                f.write(base64.b64decode(a["data"].split(",", 1)[1]))
+                f.write(base64.b64decode(svg.group(1)))
 pages.append(("artifacts", f"{ui}/artifacts"))
 with open(f"{out}/artifacts.json", "w") as f:
     json.dump(found, f, indent=1)

@@ -94,16 +94,18 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     rollouts = tiny_setup.shared_dir / "runs" / name / "rounds" / "0000"
     assert sorted(p.name for p in rollouts.glob("shard-*.jsonl")) == [f"shard-{s:03d}.jsonl" for s in range(3)]
 
-    # The run's artifacts: the rounds table and the reward curve image.
+    # The run's artifacts: the rounds table and the reward curve (an inline SVG).
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
     by_type = sorted((a.type, a.key) for a in artifacts if a.key)  # one card per kind, keyed by the run name
-    assert by_type == [("image", "flows-grpo-flaky-reward-curve"), ("markdown", "flows-grpo-flaky-training-job"),
+    assert by_type == [("markdown", "flows-grpo-flaky-reward-curve"), ("markdown", "flows-grpo-flaky-training-job"),
                        ("table", "flows-grpo-flaky-rounds")], by_type
     table = next(a for a in artifacts if a.key == "flows-grpo-flaky-rounds")
+    curve = next(a for a in artifacts if a.key == "flows-grpo-flaky-reward-curve")
+    assert "](data:image/svg+xml;base64," in curve.data
     for column in ("reward mean", "reward std", "samples", "policy version", "delta % of full", "publish s",
                    "hot-load s"):
         assert column in str(table.data), column

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from uuid import UUID
 
 from prefect.artifacts import (
-    create_image_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -156,11 +155,13 @@ def reward_curve_svg(means: list[float], stds: list[float]) -> str:
 
 
 def reward_curve(run_name: str, means: list[float], stds: list[float]) -> str:
-    """The reward curve so far as a keyed image artifact, updated in place each round."""
+    """The reward curve so far as a keyed artifact, updated in place each round. Markdown with the
+    SVG inline: an image artifact's page would also print the whole data URL, running off the page."""
     svg = reward_curve_svg(means, stds)
     url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
     key = artifact_key(run_name, "reward-curve")
     description = f"Mean reward per GRPO round ({len(means)} rounds so far)"
-    _upsert(key, "image", url, description,
-            lambda: create_image_artifact(image_url=url, key=key, description=description))
+    markdown = f"**{description}**\n\n![mean reward per round, with one standard deviation]({url})\n"
+    _upsert(key, "markdown", markdown, description,
+            lambda: create_markdown_artifact(markdown, key=key, description=description))
     return svg
