@@ -20,13 +20,27 @@ def prefect_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, timeout: float = 240):
-    """``prefect deployment run NAME --params '{"settings": ...}' --watch``: (completed process, flow run id)."""
-    args = ["deployment", "run", name, "--params", json.dumps({"settings": settings}),
-            "--watch", "--watch-interval", "1", "--watch-timeout", str(int(timeout))]
+def deployment_run_args(name: str, settings: dict, env: dict[str, str] | None = None) -> list[str]:
+    """``deployment run NAME --params '{"settings": ...}'`` (and the flow run's environment)."""
+    args = ["deployment", "run", name, "--params", json.dumps({"settings": settings})]
     if env is not None:
         args += ["--job-variable", "env=" + json.dumps(env)]
+    return args
+
+
+def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, timeout: float = 240):
+    """``prefect deployment run NAME --params '{"settings": ...}' --watch``: (completed process, flow run id)."""
+    args = [*deployment_run_args(name, settings, env), "--watch", "--watch-interval", "1",
+            "--watch-timeout", str(int(timeout))]
     proc = prefect_cli(*args, timeout=timeout + 30)
+    match = re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout)
+    return proc, (match.group(1) if match else None)
+
+
+def start_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None):
+    """``prefect deployment run NAME --params '{"settings": ...}'`` without watching: (completed
+    process, flow run id) as soon as the flow run is created."""
+    proc = prefect_cli(*deployment_run_args(name, settings, env), timeout=120)
     match = re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout)
     return proc, (match.group(1) if match else None)
 
