@@ -1,7 +1,8 @@
 """runs.once on Kubernetes against a recorded API: the real ``kubernetes`` client, pointed by the
 cluster settings' ``kubeconfig`` at a local server replaying kube-apiserver responses
 (``tests/runs/recorded/k8s``), cancels a Job of an earlier process by deleting it with its pods,
-takes an already-deleted Job in its stride, and tells a running Job from one that ended."""
+takes an already-deleted Job in its stride, tells a running Job from one that ended, and
+deletes a Job whose submission failed half-way."""
 
 from __future__ import annotations
 
@@ -129,3 +130,28 @@ def test_a_completed_result_ends_the_job_without_asking_the_api(api, tmp_path):
     write_result(job, step=100)
     assert once.job_ended(job, cluster(tmp_path, url))
     assert recorded.received == []
+
+
+def test_a_submission_that_fails_half_way_deletes_its_job_and_records_nothing(api, tmp_path):
+    """The Job is created suspended, then the Service is refused (RBAC 403): the Job is deleted in
+    the background (its owned objects with it) and no marker is written, so a retry submits anew."""
+    from posttrain.cluster import SubmissionError
+    from posttrain.runs.job import TrainingSettings
+    from posttrain.trainer.config import TrainerConfig
+
+    recorded, url = api
+    recorded.answer("post-job-created", "post-service-forbidden", "delete-job-background")
+    trainer = TrainerConfig(mode="grpo", model_name_or_path="/data/models/base", output_dir="/data/runs/out",
+                            dataset_manifest="/data/datasets/m.json",
+                            reward_funcs=["posttrain.rewards:format_reward"], max_steps=1)
+    settings = TrainingSettings(name="nightly-7f3a9c1e", run_id="20260301-020000-ab12", trainer=trainer,
+                                cluster=cluster(tmp_path, url).model_copy(update={"job_name": NAME}))
+    marker = tmp_path / "run" / "training-job.json"
+    with pytest.raises(SubmissionError, match="Service of job .* failed .*403.*the Job was deleted"):
+        once.submit_once(settings, marker)
+    assert not marker.exists()
+    assert lines(recorded) == [f"POST /apis/batch/v1/namespaces/{NAMESPACE}/jobs",
+                               f"POST /api/v1/namespaces/{NAMESPACE}/services", f"DELETE {JOB}"]
+    create, _, delete = recorded.received
+    assert create.body["metadata"]["name"] == NAME and create.body["spec"]["suspend"] is True
+    assert delete.query == {"propagationPolicy": ["Background"]}
