@@ -140,8 +140,9 @@ def attach(record: JobRecord, cluster: ClusterConfig | None) -> JobHandle:
 
 def cancel_job(record: JobRecord, cluster: ClusterConfig | None) -> str:
     """Stop the job, whichever process submitted it: scancel on Slurm, the Job deleted (its pods
-    with it) on Kubernetes, the whole process group stopped (TERM, then KILL) locally. Returns
-    what was done, in words, for the log."""
+    with it) on Kubernetes, the whole process group stopped (TERM, then KILL) locally. A job that
+    already ended, or a Kubernetes Job already gone, is left alone. Returns what was done, in
+    words, for the log."""
     run = live_run(record)
     if record.backend == "local":
         if run is not None:
@@ -157,6 +158,8 @@ def cancel_job(record: JobRecord, cluster: ClusterConfig | None) -> str:
     state = handle.state()
     if state.terminal:
         return f"{record.backend} job {record.job_id} had already ended ({state.value})"
+    if record.backend == "k8s" and state == JobState.UNKNOWN:  # the API answered 404: nothing to delete
+        return f"k8s job {record.job_id} was already gone (deleted, or removed after it ended)"
     handle.cancel()
     how = "scancel" if record.backend == "slurm" else "Job deleted with its pods"
     return f"{record.backend} job {record.job_id} cancelled ({how}; was {state.value})"

@@ -35,6 +35,7 @@ SCRIPTS = REPO / "scripts" / "services"
 TEST_PORT = int(os.environ.get("POSTTRAIN_TEST_PREFECT_PORT", "4300"))
 PROCESS_POOL = "posttrain-process"
 NIGHTLY = "nightly-post-training/nightly"
+GRPO = "grpo/grpo"
 DEPLOYMENT_ID = "dep-flows-test"
 MODEL_NAME = "tiny"
 REWARDS = ["posttrain.rewards:correctness_reward"]
@@ -107,6 +108,17 @@ class TinySetup:
         """The parameters of a small nightly run on this setup (the flows take flat parameters)."""
         return {"run_name": run_name, "base_model": str(self.base_model), "dataset": str(self.dataset),
                 "shared_dir": str(self.shared_dir), **SMALL_TRAINER, "watch_poll_s": 0.5, **overrides}
+
+    def grpo_settings(self, run_name: str, **overrides) -> dict:
+        """The parameters of a GRPO run on this setup: one round of two prompts in one shard, two
+        completions of at most four tokens each, and the nightly trainer's settings for its step."""
+        from posttrain.pipeline.parameters import parameter_fields
+        from posttrain.pipeline.settings import GrpoSettings
+
+        grpo = parameter_fields(GrpoSettings)
+        base = {k: v for k, v in self.settings(run_name).items() if k in grpo}
+        return {**base, "rounds": 1, "prompts_per_round": 2, "shards": 1, "num_generations": 2,
+                "max_completion_length": 4, "reward_funcs": REWARDS, **overrides}
 
     def served_identity(self) -> str | None:
         """The snapshot the inference server serves, from its /health endpoint."""

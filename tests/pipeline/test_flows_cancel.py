@@ -1,5 +1,5 @@
-"""Cancelling a nightly deployment run stops its training job (real Prefect server, process worker;
-the local trainer, and Slurm's when the suite runs it)."""
+"""Cancelling a nightly or GRPO deployment run stops its training job (real Prefect server, process
+worker; the local trainer, and Slurm's when the suite runs it)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import pytest
 
 from posttrain.cluster.local import group_members
 from posttrain.runs.once import JobRecord
-from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.conftest import GRPO, NIGHTLY
 from tests.pipeline.run_events import named, wait_events
 from tests.pipeline.runs import (
     flow_run_logs,
     prefect_cli,
     read_flow_run,
     start_deployment,
+    task_runs,
     wait_final,
 )
 
@@ -27,20 +28,27 @@ def instance(run: str, flow_run_id: str) -> str:
     return f"{run}-{flow_run_id.replace('-', '')[:8]}"
 
 
-def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[str, JobRecord]:
-    """Start a nightly deployment run that would train for ages; once it submitted its training job,
-    its flow run id and the job's record."""
-    params = tiny_setup.settings(run, **{"max_steps": 100000, "save_steps": 100000, **settings})
-    proc, flow_run_id = start_deployment(NIGHTLY, params)
+def start_until_submitted(tiny_setup, process_worker, deployment: str, run: str, settings: dict,
+                          marker: str) -> tuple[str, JobRecord]:
+    """Start a deployment run of ``settings`` (run name ``run``); once it submitted the training job
+    recorded in ``marker`` (a path in its run folder), its flow run id and the job's record."""
+    proc, flow_run_id = start_deployment(deployment, settings)
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    marker = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / "training-job.json"
+    path = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / marker
     deadline = time.monotonic() + 120
-    while not marker.exists():
+    while not path.exists():
         state = read_flow_run(flow_run_id).state
         assert not state.is_final(), f"{state.name}: {state.message}\n{process_worker.tail()}"
         assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
         time.sleep(0.5)
-    return flow_run_id, JobRecord.model_validate_json(marker.read_text())
+    return flow_run_id, JobRecord.model_validate_json(path.read_text())
+
+
+def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[str, JobRecord]:
+    """Start a nightly deployment run that would train for ages; once it submitted its training job,
+    its flow run id and the job's record."""
+    params = tiny_setup.settings(run, **{"max_steps": 100000, "save_steps": 100000, **settings})
+    return start_until_submitted(tiny_setup, process_worker, NIGHTLY, run, params, "training-job.json")
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -57,17 +65,21 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.mark.timeout(300)
-def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_setup):
-    flow_run_id, job = start_long_run(tiny_setup, process_worker, "flows-cancel")
+def wait_for_trainer(job: JobRecord, process_worker) -> None:
+    """Until the trainer of a local job runs (its command line names the job folder)."""
     assert job.backend == "local" and job.pgid is not None
     job_dir = str(Path(job.log_path).parent)
     deadline = time.monotonic() + 60
-    while not processes_mentioning(f"posttrain.trainer {job_dir}"):  # the trainer itself is running
+    while not processes_mentioning(f"posttrain.trainer {job_dir}"):
         assert time.monotonic() < deadline, f"the trainer did not start in 60 s\n{process_worker.tail()}"
         time.sleep(0.5)
     assert group_members(job.pgid)
 
+
+def cancel_and_check_stopped(flow_run_id: str, job: JobRecord) -> float:
+    """``prefect flow-run cancel``; asserts that the local job's processes are gone within 30 s, the
+    flow run is CANCELLED and its hook logged the stop. Seconds until the processes were gone."""
+    job_dir = str(Path(job.log_path).parent)
     t0 = time.monotonic()
     cancel = prefect_cli("flow-run", "cancel", flow_run_id)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
@@ -86,7 +98,31 @@ def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_s
     assert f"stopped process group {job.pgid}" in cancelled.payload["reason"], cancelled.payload
     assert [e.event for e in events if e.event.startswith("posttrain.job.")] == ["posttrain.job.submitted",
                                                                                  "posttrain.job.cancelled"]
+    return stopped_s
+
+
+@pytest.mark.timeout(300)
+def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_setup):
+    flow_run_id, job = start_long_run(tiny_setup, process_worker, "flows-cancel")
+    wait_for_trainer(job, process_worker)
+    stopped_s = cancel_and_check_stopped(flow_run_id, job)
     print(f"trainer gone {stopped_s:.1f} s after the cancel request")
+
+
+@pytest.mark.timeout(300)
+def test_cancelling_a_grpo_run_stops_its_training_step(process_worker, tiny_setup):
+    # One round of one prompt; its training step takes num_iterations optimizer steps on the round's
+    # two rollouts, milliseconds each on the tiny model: a million of them outlast the test by far.
+    settings = tiny_setup.grpo_settings("flows-cancel-grpo", prompts_per_round=1, num_iterations=1_000_000)
+    flow_run_id, job = start_until_submitted(tiny_setup, process_worker, GRPO, "flows-cancel-grpo", settings,
+                                             "rounds/0000/train-job.json")
+    assert job.name.startswith("flows-cancel-grpo-") and job.name.endswith("-step"), job.name
+    wait_for_trainer(job, process_worker)
+    stopped_s = cancel_and_check_stopped(flow_run_id, job)
+    train_steps = [t for t in task_runs(flow_run_id) if t.name == "train-step-round-0"]
+    assert len(train_steps) == 1 and not train_steps[0].state.is_completed(), train_steps
+    assert not list(job.local_dir().glob("checkpoint-*")), "the step was not stopped before it saved"
+    print(f"training step gone {stopped_s:.1f} s after the cancel request")
 
 
 def sacct_state(job_id: str) -> str:
