@@ -161,7 +161,7 @@ def reward_curve(run_name: str, means: list[float], stds: list[float]) -> str:
     url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
     key = artifact_key(run_name, "reward-curve")
     description = f"Mean reward per GRPO round ({len(means)} rounds so far)"
-    markdown = f"**{description}**\n\n![mean reward per round, with one standard deviation]({url})\n"
+    markdown = f"![mean reward per round, with one standard deviation]({url})\n"  # the card shows the description
     _upsert(key, "markdown", markdown, description,
             lambda: create_markdown_artifact(markdown, key=key, description=description))
     return svg
