@@ -69,26 +69,36 @@ class Manifest:
     folder: Path
     label: str  # how errors name the folder: "snapshot <identity>"
     files: dict[str, dict]
+    origin: str | None = None  # where errors say the files came from (a store), else the folder
 
     def fail(self, name: str, why: str) -> ChecksumMismatch:
-        return ChecksumMismatch(f"{self.label}: file {name} is corrupted ({why}); "
-                                f"{self.folder / name}")
+        return ChecksumMismatch(f"{self.label}: file {name} is corrupted ({why}); {self.where(name)}")
 
-    def tensors(self) -> dict[str, tuple[str, str]]:
-        """tensor -> (shard, xxh3-128 of its bytes), for every shard checked tensor by tensor."""
-        return {t: (name, d) for name, e in self.files.items() for t, d in e.get("tensors", {}).items()}
+    def where(self, name: str) -> str:
+        return f"{self.origin}/{name}" if self.origin else str(self.folder / name)
+
+    def check_bytes(self, name: str, data: bytes) -> None:
+        """A whole file's bytes (read some other way, e.g. from a store) against the record."""
+        entry = self.files.get(name)
+        if entry is None or "xxh3_128" not in entry:
+            raise ChecksumMismatch(f"{self.label}: file {name} is not in its {MANIFEST_NAME}; {self.where(name)}")
+        if len(data) != entry["size"]:
+            raise self.fail(name, f"{len(data)} bytes, {MANIFEST_NAME} records {entry['size']}")
+        got = xxhash.xxh3_128_hexdigest(data)
+        if got != entry["xxh3_128"]:
+            raise self.fail(name, f"xxh3-128 is {got}, {MANIFEST_NAME} records {entry['xxh3_128']}")
 
     def check(self, name: str) -> None:
         """Size, and the whole file or a shard's header, against the record."""
         entry = self.files.get(name)
         if entry is None:
-            raise ChecksumMismatch(f"{self.label}: file {name} is not in its {MANIFEST_NAME}; {self.folder / name}")
+            raise ChecksumMismatch(f"{self.label}: file {name} is not in its {MANIFEST_NAME}; {self.where(name)}")
         path = self.folder / name
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ChecksumMismatch(f"{self.label}: file {name} is missing ({MANIFEST_NAME} lists it); "
-                                   f"{path}") from None
+                                   f"{self.where(name)}") from None
         try:
             size = os.fstat(fd).st_size
             if size != entry["size"]:
@@ -127,16 +137,20 @@ class Manifest:
             os.close(fd)
 
 
-def load_manifest(folder: str | os.PathLike[str], label: str | None = None) -> Manifest | None:
+def load_manifest(folder: str | os.PathLike[str], label: str | None = None,
+                  origin: str | None = None) -> Manifest | None:
     """The folder's checksums, self-checked; None when it has none."""
     folder = Path(folder)
-    label = label or f"snapshot {folder.name}"
-    path = folder / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        raw = (folder / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
         return None
-    bad = ChecksumMismatch(f"{label}: file {MANIFEST_NAME} is corrupted (not the bytes posttrain wrote); {path}")
+    return parse_manifest(raw, folder, label or f"snapshot {folder.name}", origin)
+
+
+def parse_manifest(raw: bytes, folder: Path, label: str, origin: str | None = None) -> Manifest:
+    where = f"{origin}/{MANIFEST_NAME}" if origin else folder / MANIFEST_NAME
+    bad = ChecksumMismatch(f"{label}: file {MANIFEST_NAME} is corrupted (not the bytes posttrain wrote); {where}")
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
@@ -146,7 +160,7 @@ def load_manifest(folder: str | os.PathLike[str], label: str | None = None) -> M
     recorded = obj.pop("xxh3_128", None)
     if recorded != xxhash.xxh3_128_hexdigest(_canonical(obj)) or not _well_formed(obj.get("files")):
         raise bad
-    return Manifest(folder, label, obj["files"])
+    return Manifest(folder, label, obj["files"], origin)
 
 
 def _well_formed(files: object) -> bool:
