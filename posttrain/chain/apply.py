@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader
+from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader, check_tensor_digest
 from posttrain.chain.encode import (
     Progress,
     _pwrite_all,
@@ -28,7 +28,6 @@ from posttrain.chain.encode import (
 )
 from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
-from posttrain.chain.manifest import MANIFEST_NAME
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
 from posttrain.fsutil import atomic_write
@@ -163,11 +162,7 @@ def _apply_tensor(
             if progress:
                 progress(m)
             del chunk, work
-        if expected is not None and base_digest.hexdigest() != expected:
-            raise ChecksumMismatch(
-                f"snapshot {info.path.parent.name}: file {info.path.name} is corrupted (tensor {info.name!r} has "
-                f"xxh3-128 {base_digest.hexdigest()}, {MANIFEST_NAME} records {expected}); {info.path}"
-            )
+        check_tensor_digest(info, base_digest.hexdigest(), expected)
         for delta, entry, reader, checksum in streams:
             if _safe_read(reader, 1, delta, entry):
                 raise FormatError(

@@ -131,6 +131,15 @@ class Checkpoint:
         return cfg.read_bytes() if cfg.is_file() else None
 
 
+def check_tensor_digest(info: TensorInfo, got: str, want: str | None) -> None:
+    """Refuse a tensor whose bytes, as just read, differ from its folder's checksums file."""
+    if want is not None and got != want:
+        raise ChecksumMismatch(
+            f"snapshot {info.path.parent.name}: file {info.path.name} is corrupted (tensor {info.name!r} has "
+            f"xxh3-128 {got}, {MANIFEST_NAME} records {want}); {info.path}"
+        )
+
+
 def layout_changes(
     new: dict[str, tuple[str, tuple[int, ...]]], base: dict[str, tuple[str, tuple[int, ...]]]
 ) -> list[str]:

@@ -114,8 +114,8 @@ def test_every_version_still_rebuilds_and_other_readers_ignore_the_checksums(sto
                 assert f.metadata() == {"format": "pt"}
 
 
-def test_a_corrupt_rebuilt_folder_is_refused_as_the_held_version(stored, tmp_path):
-    chain = stored[0] / PREFIX
+def test_a_corrupt_rebuilt_folder_is_refused_as_the_held_version_and_by_encode(stored, tmp_path):
+    chain, ckpts = stored[0] / PREFIX, stored[1]
     held = tmp_path / "held"
     reconstruct(chain, "delta-2", held)
     shard = sorted(held.glob("*.safetensors"))[0]
@@ -124,6 +124,11 @@ def test_a_corrupt_rebuilt_folder_is_refused_as_the_held_version(stored, tmp_pat
     with pytest.raises(ChecksumMismatch) as err:
         reconstruct(chain, "delta-3", tmp_path / "next", held_dir=held)
     assert named(err.value, "held", shard.name) and repr(info.name) in str(err.value)
+    for new, base in ((held, None), (ckpts["delta-3"], held)):  # nor is it encoded, as new weights or as a base
+        with pytest.raises(ChecksumMismatch) as err:
+            encode_snapshot(new, tmp_path / "other", base_dir=base, identity="x", base_identity="b")
+        assert named(err.value, "held", shard.name)
+    assert not (tmp_path / "other" / "x").exists()
 
 
 def test_a_corrupt_download_is_not_cached_and_a_repaired_store_is_read_again(stored, tmp_path):
