@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader
+from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader, check_tensor_digest
 from posttrain.chain.encode import (
     Progress,
     _pwrite_all,
@@ -108,7 +108,8 @@ def apply_chain(
             info = base.tensors[name]
             chain = [(d, d.entries[name]) for d in deltas if name in d.entries]
             target = targets.get(name)
-            return name, _apply_tensor(info, chain, target, local, frame_fd, progress)
+            digest = _apply_tensor(info, chain, target, local, frame_fd, progress, base.expected.get(name))
+            return name, digest
 
         order = sorted(base.tensors, key=lambda n: -base.tensors[n].nbytes)
         digests = dict(_run_parallel(run, order, workers or default_workers()))
@@ -130,18 +131,23 @@ def _apply_tensor(
     local: _Local,
     frame_fd,
     progress: Progress | None,
+    expected: str | None = None,
 ) -> str:
+    """Stream one tensor through its deltas; ``expected``: the xxh3-128 the base bytes must have."""
     streams = []
     for delta, entry in chain:
         src = _FrameSlice(frame_fd(entry.frame.path), entry.frame)
         reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=1 << 20, read_across_frames=False)
         streams.append((delta, entry, reader, new_checksum(delta.checksum_format)))
     digest = xxhash.xxh3_128()
+    base_digest = xxhash.xxh3_128() if expected is not None and streams else digest
     pos = 0
     try:
         for chunk in local.reader.chunks(info):
             m = len(chunk)
             work = chunk  # read-only window until the first delta writes into scratch
+            if base_digest is not digest:
+                base_digest.update(chunk)
             for delta, entry, reader, checksum in streams:
                 xor = local.xor[:m]
                 _read_exact(reader, xor, delta, entry, info)
@@ -156,6 +162,7 @@ def _apply_tensor(
             if progress:
                 progress(m)
             del chunk, work
+        check_tensor_digest(info, base_digest.hexdigest(), expected)
         for delta, entry, reader, checksum in streams:
             if _safe_read(reader, 1, delta, entry):
                 raise FormatError(

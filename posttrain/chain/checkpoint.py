@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from posttrain.chain.errors import FormatError
+from posttrain.chain.errors import ChecksumMismatch, FormatError
+from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
 from posttrain.chain.safetensors_io import TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -49,12 +50,34 @@ class Checkpoint:
     shard_files: list[str]
     index_metadata: dict = field(default_factory=dict)
     shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    # tensor -> xxh3-128 its bytes must have (posttrain.checksums.json); checked as they are read
+    expected: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        """Open a checkpoint; with posttrain's checksums file, its files and headers are checked first."""
         path = Path(path)
         if not path.is_dir():
             raise FormatError(f"{path}: not a checkpoint directory")
+        manifest = load_manifest(path)
+        if manifest is not None:
+            manifest.check_all()
+        ckpt = cls._open(path)
+        if manifest is not None:
+            if (path / INDEX_NAME).exists() and INDEX_NAME not in manifest.files:
+                raise ChecksumMismatch(f"{manifest.label}: file {INDEX_NAME} is not in its {MANIFEST_NAME}")
+            for name, info in ckpt.tensors.items():
+                entry = manifest.files.get(info.path.name)
+                if entry is None:
+                    raise ChecksumMismatch(f"{manifest.label}: file {info.path.name} is not in its {MANIFEST_NAME}")
+                if "tensors" in entry:  # else the file was checked whole above
+                    if name not in entry["tensors"]:
+                        raise manifest.fail(info.path.name, f"tensor {name!r} is not in {MANIFEST_NAME}")
+                    ckpt.expected[name] = entry["tensors"][name]
+        return ckpt
+
+    @classmethod
+    def _open(cls, path: Path) -> Checkpoint:
         index_path = path / INDEX_NAME
         if index_path.exists():
             return cls._open_indexed(path, index_path)
@@ -106,6 +129,15 @@ class Checkpoint:
     def config_bytes(self) -> bytes | None:
         cfg = self.path / CONFIG_NAME
         return cfg.read_bytes() if cfg.is_file() else None
+
+
+def check_tensor_digest(info: TensorInfo, got: str, want: str | None) -> None:
+    """Refuse a tensor whose bytes, as just read, differ from its folder's checksums file."""
+    if want is not None and got != want:
+        raise ChecksumMismatch(
+            f"snapshot {info.path.parent.name}: file {info.path.name} is corrupted (tensor {info.name!r} has "
+            f"xxh3-128 {got}, {MANIFEST_NAME} records {want}); {info.path}"
+        )
 
 
 def layout_changes(

@@ -20,7 +20,14 @@ import numpy as np
 import xxhash
 import zstandard
 
-from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader, layout_changes
+from posttrain.chain.checkpoint import (
+    CHUNK_BYTES,
+    INDEX_NAME,
+    Checkpoint,
+    ChunkReader,
+    check_tensor_digest,
+    layout_changes,
+)
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
@@ -170,6 +177,7 @@ def write_full(
                 if progress:
                     progress(len(chunk))
                 del chunk
+            check_tensor_digest(info, digest.hexdigest(), new.expected.get(name))  # a rebuilt folder's record
             return TensorResult(name, info.nbytes, digest.hexdigest(), changed_bytes=info.nbytes)
 
         order = sorted(names, key=lambda n: -new.tensors[n].nbytes)  # largest first: cores stay busy
@@ -213,7 +221,8 @@ def write_delta(
 
     def encode(name: str) -> TensorResult:
         info, binfo = new.tensors[name], base.tensors[name]
-        return _encode_tensor(info, binfo, spool_dir, fmt, local, progress, expected_base)
+        return _encode_tensor(info, binfo, spool_dir, fmt, local, progress, expected_base,
+                              (new.expected.get(name), base.expected.get(name)))
 
     names = list(new.tensors)
     order = sorted(names, key=lambda n: -new.tensors[n].nbytes)
@@ -258,10 +267,12 @@ def _encode_tensor(
     local: _Buffers,
     progress: Progress | None,
     expected_base: dict[str, str] | None,
+    recorded: tuple[str | None, str | None] = (None, None),
 ) -> TensorResult:
+    """``recorded``: the xxh3-128 the new and the base bytes must have (their checksums files)."""
     checksum = new_checksum(fmt)
     digest = xxhash.xxh3_128()
-    base_digest = xxhash.xxh3_128() if expected_base is not None else None
+    base_digest = xxhash.xxh3_128() if expected_base is not None or recorded[1] is not None else None
     spool = spool_dir / f"{threading.get_ident()}-{xxhash.xxh64_hexdigest(info.name.encode())}.zst"
     changed = 0
     scratch = local.scratch
@@ -281,8 +292,11 @@ def _encode_tensor(
             del cur, old
         writer.flush(zstandard.FLUSH_FRAME)
         size = f.tell()
+    check_tensor_digest(info, digest.hexdigest(), recorded[0])
+    if base_digest is not None:
+        check_tensor_digest(binfo, base_digest.hexdigest(), recorded[1])
     result = TensorResult(info.name, info.nbytes, digest.hexdigest(), checksum.hexdigest(), changed, size, spool)
-    if base_digest is not None and expected_base.get(info.name) != base_digest.hexdigest():
+    if base_digest is not None and expected_base is not None and expected_base.get(info.name) != base_digest.hexdigest():
         result.base_matches = False
     if changed == 0:
         spool.unlink()

@@ -1,7 +1,9 @@
 """Fetching the snapshots a version needs from a store into a local cache, and rebuilding it.
 
 The store holds ``<prefix>/<identity>/<file>``; a snapshot exists once its index (the commit
-marker) does. From the requested identity the ``base_version`` links are followed back to a
+marker) does. Every file is checked against the snapshot's checksums file
+(``posttrain.chain.manifest``) before the snapshot enters the cache, so a corrupt download is
+never kept, and an index is checked before its base link is followed. From the requested identity the ``base_version`` links are followed back to a
 full snapshot, or to the version the server holds, whichever comes first; only those
 snapshots are downloaded. A per-operation *view* folder then holds links to them (and to the
 held checkpoint, under its version's name) so ``posttrain.chain.ops.reconstruct`` sees a chain
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.chain.checkpoint import INDEX_NAME
+from posttrain.chain.errors import ChainError
 from posttrain.chain.format import IDENTITY_RE, MAX_CHAIN_DELTAS
+from posttrain.chain.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_manifest
 from posttrain.chain.ops import Reconstructed, reconstruct
 from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.storage.base import Store
@@ -24,7 +28,7 @@ from posttrain.storage.errors import NotFound
 from posttrain.storage.keys import join
 
 
-class SnapshotError(Exception):
+class SnapshotError(ChainError):
     """A snapshot is missing from the store, malformed, or its chain cannot be resolved."""
 
 
@@ -47,12 +51,27 @@ class SnapshotSource:
     def _key(self, identity: str, name: str = "") -> str:
         return join(self.prefix, f"{identity}/{name}" if name else f"{identity}/")
 
+    def _origin(self, identity: str) -> str:
+        return f"{self.store.uri.rstrip('/')}/{self._key(identity)}".rstrip("/")
+
+    def _manifest(self, identity: str) -> Manifest | None:
+        """The snapshot's checksums file in the store, self-checked; None when it has none."""
+        try:
+            raw, _ = self.store.get_bytes(self._key(identity, MANIFEST_NAME))
+        except NotFound:
+            return None
+        return parse_manifest(raw, self.cache_dir / identity, f"snapshot {identity}", self._origin(identity))
+
     def index(self, identity: str) -> dict:
+        """The snapshot's index in the store, checked against its checksums file when it has one."""
         try:
             data, _ = self.store.get_bytes(self._key(identity, INDEX_NAME))
         except NotFound:
             raise SnapshotError(f"snapshot {identity} is not in the store ({self.store.uri}, prefix "
                                 f"{self.prefix or '(none)'}): no {INDEX_NAME}") from None
+        manifest = self._manifest(identity)
+        if manifest is not None:
+            manifest.check_bytes(INDEX_NAME, data)
         try:
             index = json.loads(data)
         except ValueError:
@@ -97,10 +116,21 @@ class SnapshotSource:
             cur = nxt
 
     def fetch(self, identity: str) -> Path:
-        """The snapshot's folder in the cache, downloaded (index last) unless it is there already."""
+        """The snapshot's folder in the cache, downloaded (index last) unless it is there already.
+
+        A download is checked against the snapshot's checksums file, every byte, before it enters
+        the cache; a cached copy whose files or headers no longer match is downloaded again."""
         dest = self.cache_dir / identity
         if (dest / INDEX_NAME).is_file():
-            return dest
+            try:
+                cached = load_manifest(dest, f"snapshot {identity}")
+                if cached is not None:
+                    cached.check_all()
+                    return dest
+                if not (self.store.exists(self._key(identity, MANIFEST_NAME))):
+                    return dest  # a snapshot without checksums (another producer's): kept as it is
+            except ChainError:
+                pass  # damaged since it was downloaded: download it again
         prefix = self._key(identity)
         names = [k[len(prefix):] for k in self.store.list(prefix)]
         names = [n for n in names if n and "/" not in n]
@@ -112,6 +142,10 @@ class SnapshotSource:
             with staging_dir(dest) as tmp:
                 for name in sorted(names, key=lambda n: n == INDEX_NAME):  # the index last
                     self.store.get_file(self._key(identity, name), tmp / name)
+                manifest = load_manifest(tmp, f"snapshot {identity}", self._origin(identity))
+                if manifest is not None:
+                    manifest.check_all(deep=True)
+                    manifest.check(INDEX_NAME)  # refused when it is not listed
                 publish_dir(tmp, dest)
         except NotFound as e:
             raise SnapshotError(f"snapshot {identity}: a file vanished while downloading ({e})") from None

@@ -31,6 +31,7 @@ from posttrain.chain.format import (
     parse_slime_version,
     slime_dir,
 )
+from posttrain.chain.manifest import write_manifest
 from posttrain.chain.snapshot import held_version, open_delta, read_index
 from posttrain.fsutil import publish_dir, staging_dir
 
@@ -146,6 +147,7 @@ def encode_snapshot(
             name = version_label = make_identity(run=run, step=step, kind=kind, base_identity=base_label,
                                                  content=enc.content)
         write_index(tmp, enc, version=version_label, base_version=base_label)
+        write_manifest(tmp, enc.digests() if enc.kind == "full" else None)
         commit_dir(tmp, chain_dir / name)
     return _result(name, enc, base_label, chain_dir / name, step, time.perf_counter() - t0)
 
@@ -246,6 +248,7 @@ def reconstruct(
         with staging_dir(out) as tmp:
             applied = apply_chain(start_ckpt, deltas, tmp, workers=workers, progress=progress, durable=durable)
             write_checkpoint_index(tmp, start_ckpt, target.version, config)
+            write_manifest(tmp, applied.version_digests)
             commit_dir(tmp, out)
     return Reconstructed(target.version, out, start, [d.version for d in deltas], applied.bytes,
                          time.perf_counter() - t0, applied.version_digests)

@@ -8,6 +8,7 @@ from pathlib import Path
 from posttrain.chain.checkpoint import INDEX_NAME, Checkpoint, read_json
 from posttrain.chain.errors import FormatError
 from posttrain.chain.format import new_checksum
+from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
 from posttrain.chain.safetensors_io import TensorInfo, read_header
 
 
@@ -37,13 +38,23 @@ def is_delta_index(index: dict) -> bool:
 
 
 def read_index(path: Path) -> dict:
+    """A snapshot's index; checked against the snapshot's checksums file when it has one."""
+    manifest = load_manifest(path)
+    if manifest is not None:
+        manifest.check(INDEX_NAME)
     return read_json(path / INDEX_NAME, "snapshot index")
 
 
 def open_delta(path: str | Path) -> DeltaSnapshot:
+    """A delta snapshot, every file checked whole against its checksums file when it has one
+    (without one, the per-tensor checksums of the format are all there is)."""
     path = Path(path)
     index_path = path / INDEX_NAME
-    index = read_index(path)
+    manifest = load_manifest(path)
+    if manifest is not None:
+        manifest.check_all()
+        manifest.check(INDEX_NAME)  # refused when it is not listed
+    index = read_json(index_path, "snapshot index")
     meta = index.get("metadata")
     if not is_delta_index(index):
         raise FormatError(f"{index_path}: not a delta snapshot (no delta_encoding in metadata)")
@@ -71,6 +82,8 @@ def open_delta(path: str | Path) -> DeltaSnapshot:
             raise FormatError(f"{index_path}: shard name {fname!r} is not a file of the snapshot")
         if not (path / fname).is_file():
             raise FormatError(f"{index_path}: names shard {fname!r}, which does not exist")
+        if manifest is not None and fname not in manifest.files:
+            raise FormatError(f"snapshot {path.name}: file {fname} is not in its {MANIFEST_NAME}")
         headers[fname] = read_header(path / fname)
     for name, fname in weight_map.items():
         header = headers[fname]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,15 +119,21 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    from posttrain.chain.errors import ChecksumMismatch, FormatError
     from posttrain.chain.ops import reconstruct
 
-    chain = Path(args.chain)
+    chain, fetched = Path(args.chain), []
     if "://" in args.chain:
-        chain = _fetch_from_store(args)
-    total = _version_bytes(chain, args.version, args.held, args.boot)
-    with progress_bar("applying", total) as advance:
-        r = reconstruct(chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
-                        workers=args.workers, progress=advance)
+        chain, fetched = _fetch_from_store(args)
+    try:
+        total = _version_bytes(chain, args.version, args.held, args.boot)
+        with progress_bar("applying", total) as advance:
+            r = reconstruct(chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
+                            workers=args.workers, progress=advance)
+    except (ChecksumMismatch, FormatError):
+        for name in fetched:  # a damaged cached copy: the next run downloads it again
+            shutil.rmtree(chain / name, ignore_errors=True)
+        raise
     print(
         f"version {r.version}: {r.start} + {len(r.deltas)} deltas, {human_bytes(r.bytes)} verified, "
         f"{human_bytes(r.throughput)}/s -> {r.path}"
@@ -134,8 +141,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_from_store(args: argparse.Namespace) -> Path:
-    """Download the snapshots the version needs into a local cache folder; return that folder."""
+def _fetch_from_store(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """Download the snapshots the version needs into a local cache folder; that folder and them."""
     import hashlib
 
     from posttrain.chain.fetch import SnapshotSource
@@ -145,9 +152,10 @@ def _fetch_from_store(args: argparse.Namespace) -> Path:
     cache = args.cache or Path.home() / ".cache" / "posttrain" / "chains" / hashlib.sha1(args.chain.encode()).hexdigest()[:16]
     with open_store(args.chain, **options) as store:
         source = SnapshotSource(store, "", cache)
-        for name in source.plan(args.version, held=None).snapshots:
+        names = source.plan(args.version, held=None).snapshots
+        for name in names:
             source.fetch(name)
-    return cache
+    return cache, names
 
 
 def _version_bytes(chain: Path, version: str, held: Path | None, boot: Path | None) -> int:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from posttrain.chain import ChecksumMismatch, FormatError, LayoutMismatch, OutputExists, WrongBase
+from posttrain.chain.manifest import MANIFEST_NAME
 from posttrain.chain.ops import encode_snapshot, reconstruct, verify_chain
 from posttrain.chain.safetensors_io import read_header
 from tests.support.tensors import save_torch_checkpoint
@@ -114,6 +115,7 @@ def test_delta_applied_to_the_wrong_base(chain, tmp_path):
     index = json.loads((held_full / "model.safetensors.index.json").read_text())
     index["metadata"]["version"] = "something-else"
     (held_full / "model.safetensors.index.json").write_text(json.dumps(index))
+    (held_full / MANIFEST_NAME).unlink()  # else the edit is refused as corruption
     with pytest.raises(WrongBase, match="holds something-else"):
         reconstruct(chain_dir, "delta-3", tmp_path / "o2", held_dir=held_full)
     assert not (tmp_path / "o2").exists()
@@ -126,6 +128,7 @@ def test_delta_on_wrong_bytes_fails_its_checksum(chain, tmp_path):
     rebuilt = tmp_path / "as-new"
     encode_snapshot(new, tmp_path / "c2", identity="n")
     victim.write_bytes((tmp_path / "c2" / "n" / "model-00000.safetensors").read_bytes())
+    (full.path / MANIFEST_NAME).unlink()  # a chain of another producer: only the delta's checksums
     with pytest.raises(ChecksumMismatch, match=r"delta-2.*applied to a base other than full-1"):
         reconstruct(chain_dir, "delta-2", rebuilt)
     assert not rebuilt.exists()
@@ -140,6 +143,7 @@ def test_corrupted_zstd_stream(chain, tmp_path):
     biggest = max(header.tensors.values(), key=lambda t: t.nbytes)
     data[biggest.offset: biggest.offset + 4] = b"\x00\x00\x00\x00"  # destroy the frame magic
     shard.write_bytes(bytes(data))
+    (delta.path / MANIFEST_NAME).unlink()  # a chain of another producer: the stream itself is checked
     with pytest.raises(FormatError, match=rf"{biggest.name}.*corrupted zstd stream"):
         reconstruct(chain_dir, "delta-2", tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -157,6 +161,7 @@ def test_checksum_mismatch(chain, tmp_path):
     old = header["__metadata__"][name]
     new_sum = "%08x" % ((int(old, 16) + 1) & 0xFFFFFFFF)
     shard.write_bytes(raw.replace(old.encode(), new_sum.encode(), 1))
+    (delta.path / MANIFEST_NAME).unlink()  # a chain of another producer: the format's checksums
     with pytest.raises(ChecksumMismatch, match=rf"{name}.*recorded {new_sum}"):
         verify_chain(chain_dir)
 

@@ -33,9 +33,11 @@ def test_full_then_delta_reconstructs_bit_exact(model_pair, tmp_path):
     }
     assert "positions" not in index["weight_map"]  # unchanged tensors are left out
     assert "empty" not in index["weight_map"]
-    assert sorted(p.name for p in delta.path.iterdir()) == ["model-00000.safetensors", "model.safetensors.index.json"]
+    # the format's files, and posttrain's checksums of every one (other readers ignore that file)
+    assert sorted(p.name for p in delta.path.iterdir()) == [
+        "model-00000.safetensors", "model.safetensors.index.json", "posttrain.checksums.json"]
     assert sorted(p.name for p in full.path.iterdir()) == [
-        "config.json", "model-00000.safetensors", "model.safetensors.index.json"]
+        "config.json", "model-00000.safetensors", "model.safetensors.index.json", "posttrain.checksums.json"]
 
     rows = inspect_chain(chain, density=True)
     assert [r.kind for r in rows] == ["full", "delta"]

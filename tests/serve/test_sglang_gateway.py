@@ -209,3 +209,24 @@ def test_sglang_needs_engine_urls(chain, tmp_path):
 def test_an_sglang_that_does_not_answer_at_start_is_named(make_server):
     with pytest.raises(ValueError, match=r"engine_urls\[0\] http://127.0.0.1:9: SGLang does not answer"):
         make_server(engine="sglang", engine_urls=["http://127.0.0.1:9"])
+
+
+def test_a_corrupt_byte_the_delta_inherits_never_reaches_sglang(gateway, make_client, chain, store_copy):
+    """The shared hot-load path (fetch, rebuild) checks every byte for the gateway too: a byte of the
+    full snapshot in a tensor d1 leaves alone would flow into d1's rebuild unchecked otherwise."""
+    from posttrain.chain.safetensors_io import read_header
+
+    shard = next((store_copy / PREFIX / chain.full).glob("*.safetensors"))
+    info = next(t for t in read_header(shard).tensors.values() if ".layers.0." not in t.name and t.nbytes)
+    data = bytearray(shard.read_bytes())
+    data[info.offset] ^= 0x01
+    shard.write_bytes(bytes(data))
+    server, (fake,) = gateway(store=store_copy)
+    api = Api(server.url)
+    client = make_client(server, fallback_to_full=False)
+    with pytest.raises(HotLoadFailed) as info_:
+        client.hot_load(chain.d1, base_identity=chain.full)
+    message = api.get(f"{API_PREFIX}/{info_.value.operation_id}").json()["hotLoad"]["status"]["conditions"][0]["message"]
+    assert f"snapshot {chain.full}: file {shard.name}" in message and repr(info.name) in message
+    assert not _calls(fake)  # SGLang never saw a folder
+    assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] is None  # the boot weights serve
