@@ -358,6 +358,7 @@ class Publisher:
             self.ledger.put(entry)
         crashpoint("after_ledger")
         self._claim(entry, restart=restart)
+        crashpoint("after_claim")
         self.ledger.advance(Latest(identity=record.identity, step=record.step, kind=record.kind))
         crashpoint("after_latest")
         if local.exists():

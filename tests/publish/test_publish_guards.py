@@ -223,3 +223,21 @@ def test_a_full_snapshot_of_a_published_step_joins_its_claim(run_checkpoints, tm
     assert Ledger(store, "r1").claim(2).identity == first[1].identity
     assert published_steps(store, "r1")[2] == sorted([first[1].identity, full.identity],
                                                      key=lambda i: i != first[1].identity)
+
+
+@pytest.mark.parametrize("point", ["after_ledger:2", "after_claim:2", "after_claim:4"])
+def test_killed_between_ledger_claim_and_latest_finishes_when_run_again(run_checkpoints, tmp_path, point):
+    """The step claim is written between the ledger entry and ``latest``: a publisher killed around it
+    finishes the job when run again (a folder store; tests/publish/test_publisher.py does every crash
+    point on S3)."""
+    import signal
+    import subprocess
+
+    from tests.publish.test_publisher import check_store, publish_cmd
+
+    cmd = publish_cmd(str(tmp_path / "store"), tmp_path / "work", run_checkpoints, None)
+    crashed = subprocess.run(cmd, env={**os.environ, "POSTTRAIN_CRASH_AT": point}, capture_output=True, text=True)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    check_store(LocalStore(tmp_path / "store"), run_checkpoints, tmp_path, "crash")
