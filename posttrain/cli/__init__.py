@@ -63,13 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from posttrain.chain.errors import ChainError
+    from posttrain.errors import describe_validation_error
     from posttrain.storage.errors import StorageError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ChainError, StorageError, ValidationError) as e:
+    except ValidationError as e:  # one line, not pydantic's dump
+        print(f"posttrain: error: {e.title}: {describe_validation_error(e)}", file=sys.stderr)
+        return 2
+    except (UsageError, ChainError, StorageError) as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -145,16 +145,20 @@ def _fetch_from_store(args: argparse.Namespace) -> tuple[Path, list[str]]:
     """Download the snapshots the version needs into a local cache folder; that folder and them."""
     import hashlib
 
-    from posttrain.chain.fetch import SnapshotSource
+    from posttrain.chain.fetch import SnapshotError, SnapshotSource
+    from posttrain.cli import UsageError
     from posttrain.storage import open_store
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
     cache = args.cache or Path.home() / ".cache" / "posttrain" / "chains" / hashlib.sha1(args.chain.encode()).hexdigest()[:16]
     with open_store(args.chain, **options) as store:
         source = SnapshotSource(store, "", cache)
-        names = source.plan(args.version, held=None).snapshots
-        for name in names:
-            source.fetch(name)
+        try:
+            names = source.plan(args.version, held=None).snapshots
+            for name in names:
+                source.fetch(name)
+        except SnapshotError as e:  # a version not in the store: one line naming it and the store
+            raise UsageError(str(e)) from None
     return cache, names
 
 

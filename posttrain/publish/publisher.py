@@ -3,14 +3,21 @@
 Every step of a publication is safe to redo, so a publisher killed at any point finishes the
 job when it runs again, with no duplicate, missing or half-written version:
 
+0. the run's flavour and chain policy are recorded in the store on its first publication; a
+   publisher with others is refused (they decide identities, and a step has one identity);
 1. the checkpoint is spooled into ``work_dir/queue/step-N`` by hard links (rotation of the
    training output cannot delete it); the queue lives on disk, so a restart resumes it;
 2. ``ChainWriter`` encodes it under the chain policy (deterministic identity; redoing a step
    whose snapshot exists returns it);
 3. the snapshot's files are uploaded, shards first and the index last (the commit marker);
    files already in the store with the same size are not uploaded again;
-4. a ledger entry is written and ``latest`` advanced with a conditional write;
+4. a ledger entry is written, the step claimed (``if_none_match``: its one snapshot and the
+   digest of its weights) and ``latest`` advanced with a conditional write;
 5. the local snapshot is removed and the spooled checkpoint becomes the base of the next delta.
+
+A checkpoint submitted for a step that is claimed already is compared with the claim: the same
+weights are a no-op (retries rely on it), other weights an error. A step comes from the folder
+(``content.step_of``) unless given. One publisher works in a work folder at a time (``lock``).
 
 ``Publisher.publish_step`` publishes one step and returns its snapshot, the one published before
 when it is redone; a publisher given ``owns_store=True`` closes its store when it is closed.
@@ -24,16 +31,26 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import xxhash
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from posttrain.chain.checkpoint import INDEX_NAME
 from posttrain.chain.errors import ChainError
 from posttrain.chain.format import Flavor
 from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter, SnapshotRecord
-from posttrain.publish.ledger import Latest, Ledger, LedgerEntry, PublishedFile
+from posttrain.errors import describe_os_error, naming
+from posttrain.publish.content import checkpoint_content, head_content, step_of
+from posttrain.publish.ledger import (
+    Latest,
+    Ledger,
+    LedgerEntry,
+    RunSettings,
+    StepClaim,
+    check_run_name,
+    published_steps,
+)
+from posttrain.publish.lock import WorkDirLock
 from posttrain.publish.spool import queued, spool_checkpoint, spool_name
+from posttrain.publish.transfer import retire_old_chains, upload_snapshot
 from posttrain.storage import Store
 from posttrain.testing.crashpoints import crashpoint
 
@@ -58,6 +75,16 @@ class PublishConfig(BaseModel):
         "consumer may still be reading). Off by default: nothing is ever deleted.",
     )
     workers: int | None = Field(None, ge=1, description="Encoder threads (default: one per core).")
+    lock_timeout: float = Field(0.0, ge=0, description="Seconds to wait for another publisher to leave the work "
+                                "folder; 0 fails at once, naming the holder's pid.")
+
+    @field_validator("run")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        try:
+            return check_run_name(v)
+        except ChainError as e:
+            raise ValueError(str(e)) from None
 
 
 class PublishedSnapshot(BaseModel):
@@ -90,7 +117,20 @@ class Publisher:
         self.queue_dir = config.work_dir / "queue"
         self.writer = ChainWriter(config.work_dir / "chain", flavor=config.flavor, run=config.run,
                                   policy=config.policy, max_shard_bytes=config.max_shard_size, workers=config.workers)
-        self.queue_dir.mkdir(parents=True, exist_ok=True)
+        work_dir = config.work_dir
+        if work_dir.exists() and not work_dir.is_dir():
+            raise PublishError(f"work dir {work_dir} is not a folder")
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = WorkDirLock(work_dir, timeout=config.lock_timeout)
+        except OSError as e:
+            raise PublishError(f"work dir {work_dir}: {describe_os_error(e)}") from None
+        try:
+            self.queue_dir.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._settings_checked = False
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._busy = False
@@ -100,24 +140,36 @@ class Publisher:
 
     # -- submitting -------------------------------------------------------------------------
 
-    def submit(self, checkpoint: str | Path, step: int | None = None) -> None:
-        """Queue a checkpoint; publishes now (sync) or in the background, in step order."""
-        from posttrain.chain.ops import checkpoint_step
+    def submit(self, checkpoint: str | Path, step: int | None = None) -> StepClaim | None:
+        """Queue a checkpoint; publishes now (sync) or in the background, in step order.
 
+        Returns the step's claim, queuing nothing, when the step was published with these weights
+        before; raises ``PublishError`` when it was published with others (see the module docstring).
+        """
         self._raise_error()
         checkpoint = Path(checkpoint)
-        step = checkpoint_step(checkpoint) if step is None else step
-        head = self.writer.head()
-        if head is not None and step <= head.step:
-            if any(r.step == step for r in self.writer.records()):
-                return  # published before: submitting it again is a no-op
-            raise PublishError(f"{checkpoint}: step {step} is older than the published step {head.step}")
+        if not checkpoint.is_dir():
+            raise PublishError(f"checkpoint {checkpoint} {'is not a folder' if checkpoint.exists() else 'does not exist'}")
+        step = step_of(checkpoint) if step is None else step
+        if step < 0:
+            raise PublishError(f"{checkpoint}: step {step} is negative")
+        self._check_settings()
+        if (claim := self._published_as(checkpoint, step)) is not None:
+            return claim  # published before with the same weights: a no-op (retries rely on it)
+        if not self._queued_already(checkpoint, step):
+            newest = max((s.step for s in (self.writer.head(), self.ledger.latest()[0]) if s is not None), default=-1)
+            if step <= newest:
+                if (claim := self._published_as(checkpoint, step)) is not None:
+                    return claim  # published by the background thread meanwhile
+                raise PublishError(f"{checkpoint}: step {step} is not after the published step {newest} of run "
+                                   f"{self.config.run}, and was never published itself")
         with self._cond:
             while len(queued(self.queue_dir)) >= self.config.queue_size and self.config.async_publish:
                 self._ensure_thread()
                 self._cond.wait(timeout=1.0)
                 self._raise_error()
-        spool_checkpoint(checkpoint, self.queue_dir / spool_name(step))
+        with naming(self.queue_dir):
+            spool_checkpoint(checkpoint, self.queue_dir / spool_name(step))
         crashpoint("after_spool")
         if self.config.async_publish:
             self._ensure_thread()
@@ -125,6 +177,29 @@ class Publisher:
                 self._cond.notify_all()
         else:
             self.resume()
+        return None
+
+    def _check_settings(self) -> None:
+        if not self._settings_checked:
+            self.ledger.claim_settings(RunSettings(flavor=self.config.flavor.value, policy=self.config.policy))
+            self._settings_checked = True
+
+    def _published_as(self, checkpoint: Path, step: int) -> StepClaim | None:
+        """The step's claim when it was published with the checkpoint's weights; an error with others."""
+        claim = self.ledger.claim(step)
+        if claim is not None and checkpoint_content(checkpoint) != claim.content:
+            raise PublishError(f"{checkpoint}: step {step} of run {self.config.run} is already published as "
+                               f"{claim.identity} with different weights; nothing was published")
+        return claim
+
+    def _queued_already(self, checkpoint: Path, step: int) -> bool:
+        """The step is spooled, not yet published: with the same weights (else an error)."""
+        spooled = self.queue_dir / spool_name(step)
+        if not spooled.exists():
+            return False
+        if checkpoint_content(spooled) != checkpoint_content(checkpoint):
+            raise PublishError(f"{checkpoint}: step {step} is already queued in {spooled} with different weights")
+        return True
 
     def publish_step(self, checkpoint: str | Path, step: int) -> PublishedSnapshot:
         """Publish ``checkpoint`` as ``step`` and wait for it; its snapshot. Redo-safe: when the step
@@ -141,15 +216,15 @@ class Publisher:
 
     def snapshot_for_step(self, step: int) -> PublishedSnapshot | None:
         """The newest published snapshot of ``step`` (a retried publish finds it here)."""
-        for record in reversed(self.writer.records()):
-            if record.step != step:
-                continue
-            entry = self.ledger.get(record.identity)
+        found = [(r.identity, r.seconds) for r in reversed(self.writer.records()) if r.step == step]
+        claim = self.ledger.claim(step)  # published from another work folder, one since lost
+        for identity, seconds in found + ([(claim.identity, 0.0)] if claim is not None else []):
+            entry = self.ledger.get(identity)
             if entry is not None:
                 return PublishedSnapshot(
                     identity=entry.identity, kind=entry.kind, base=entry.base, step=entry.step,
                     stored_bytes=entry.stored_bytes, raw_bytes=entry.raw_bytes, uploaded_bytes=0,
-                    encode_seconds=record.seconds, upload_seconds=0.0,
+                    encode_seconds=seconds, upload_seconds=0.0,
                 )
         return None
 
@@ -181,6 +256,7 @@ class Publisher:
             if self._thread is not None:
                 self._thread.join()
         finally:
+            self._lock.release()
             if self.owns_store:
                 self.store.close()
 
@@ -218,7 +294,9 @@ class Publisher:
 
     def _raise_error(self) -> None:
         if self._error is not None:
-            raise PublishError(f"publishing failed: {self._error}") from self._error
+            e = self._error
+            reason = describe_os_error(e) if isinstance(e, OSError) else str(e)
+            raise PublishError(f"publishing failed: {reason}") from e
 
     # -- one checkpoint -------------------------------------------------------------------------
 
@@ -230,14 +308,16 @@ class Publisher:
         return base if base.exists() else None
 
     def _publish_one(self, step: int, spooled: Path, *, restart: bool = False) -> PublishedSnapshot:
+        self._check_settings()
         base = None if restart else self._base_checkpoint()
-        record = self.writer.add(spooled, base=base, step=step, restart=restart)
+        with naming(self.writer.chain_dir):
+            record = self.writer.add(spooled, base=base, step=step, restart=restart)
         crashpoint("after_encode")
-        published = self._publish_record(record)
+        published = self._publish_record(record, spooled)
         self._promote(step, spooled)
         crashpoint("after_promote")
         if self.config.retention and record.kind == "full":
-            self._retain()
+            retire_old_chains(self.store, self.ledger)
         self.published.append(published)
         if self.on_published is not None:
             self.on_published(published)
@@ -249,12 +329,14 @@ class Publisher:
         base = self._base_checkpoint()
         if head is None or base is None:
             raise PublishError("nothing published yet: no weights to publish in full")
-        record = self.writer.add(base, step=head.step, restart=True)
-        published = self._publish_record(record)
+        self._check_settings()
+        with naming(self.writer.chain_dir):
+            record = self.writer.add(base, step=head.step, restart=True)
+        published = self._publish_record(record, base, restart=True)
         self.published.append(published)
         return published
 
-    def _publish_record(self, record: SnapshotRecord) -> PublishedSnapshot:
+    def _publish_record(self, record: SnapshotRecord, checkpoint: Path, *, restart: bool = False) -> PublishedSnapshot:
         import time
 
         local = self.writer.chain_dir / record.identity
@@ -264,14 +346,19 @@ class Publisher:
         if entry is None:
             if not local.exists():
                 raise PublishError(f"{local}: snapshot {record.identity} is neither on local disk nor in the store")
-            files, uploaded = self._upload(local, record.identity)
+            head = self.writer.head()
+            assert head is not None and head.identity == record.identity  # add() leaves its record at the head
+            files, uploaded = upload_snapshot(self.store, local, record.identity)
             entry = LedgerEntry(
                 identity=record.identity, kind=record.kind, base=record.base, step=record.step, run=self.config.run,
                 files=files, raw_bytes=record.raw_bytes, stored_bytes=sum(f.size for f in files.values()),
                 changed_tensors=record.changed_tensors, total_tensors=record.total_tensors, density=record.density,
+                content=head_content(checkpoint, head.digests),
             )
             self.ledger.put(entry)
         crashpoint("after_ledger")
+        self._claim(entry, restart=restart)
+        crashpoint("after_claim")
         self.ledger.advance(Latest(identity=record.identity, step=record.step, kind=record.kind))
         crashpoint("after_latest")
         if local.exists():
@@ -283,24 +370,17 @@ class Publisher:
             encode_seconds=record.seconds, upload_seconds=time.perf_counter() - t0,
         )
 
-    def _upload(self, local: Path, identity: str) -> tuple[dict[str, PublishedFile], int]:
-        names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != INDEX_NAME)
-        shards = [n for n in names if n.endswith(".safetensors")]
-        order = shards + [n for n in names if n not in shards] + [INDEX_NAME]
-        files: dict[str, PublishedFile] = {}
-        uploaded = 0
-        for name in order:
-            path = local / name
-            size = path.stat().st_size
-            key = f"{identity}/{name}"
-            if name == INDEX_NAME:
-                crashpoint("before_index")
-            if not (self.store.exists(key) and self.store.size(key) == size):
-                self.store.put_file(path, key)
-                uploaded += size
-            files[name] = PublishedFile(size=size, xxh3_128=_file_digest(path))
-            crashpoint("after_index" if name == INDEX_NAME else "after_file")
-        return files, uploaded
+    def _claim(self, entry: LedgerEntry, *, restart: bool) -> None:
+        """Claim the step for ``entry``; another snapshot holding it is an error, unless ours is a full
+        snapshot of the same weights (``publish_full``)."""
+        content = entry.content if entry.content is not None else ""
+        held = self.ledger.claim_step(StepClaim(step=entry.step, identity=entry.identity, content=content))
+        if held.identity == entry.identity or (restart and held.content == content):
+            return
+        self.ledger.delete(entry.identity)  # the step keeps its one snapshot
+        same = "the same" if held.content == content else "different"
+        raise PublishError(f"step {entry.step} of run {self.config.run} was published meanwhile as {held.identity} "
+                           f"({same} weights) by another publisher; {entry.identity} was withdrawn")
 
     def _promote(self, step: int, spooled: Path) -> None:
         """The published checkpoint becomes the base of the next delta; older bases go."""
@@ -313,37 +393,6 @@ class Publisher:
         for p in self.config.work_dir.iterdir():
             if p.name.startswith("base-") and p != base:
                 shutil.rmtree(p)
-
-    def _retain(self) -> None:
-        """Delete chains older than the previous one (opt-in): never the newest two chains."""
-        entries = self.ledger.entries()
-        fulls = [e for e in entries if e.kind == "full"]
-        if len(fulls) < 3:
-            return
-        cutoff = fulls[-2]  # the previous chain stays for consumers still reading it
-        for e in entries:
-            if (e.step, e.published_at) < (cutoff.step, cutoff.published_at):
-                # the index goes first: a snapshot without its index does not exist
-                self.store.delete([f"{e.identity}/{INDEX_NAME}"])
-                self.store.delete([f"{e.identity}/{n}" for n in e.files if n != INDEX_NAME])
-                self.ledger.delete(e.identity)
-                crashpoint("during_retention")
-
-
-def _file_digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def published_steps(store: Store, run: str) -> dict[int, list[str]]:
-    """Step -> identities in the run's ledger (more than one means a duplicate)."""
-    out: dict[int, list[str]] = {}
-    for e in Ledger(store, run).entries():
-        out.setdefault(e.step, []).append(e.identity)
-    return out
 
 
 __all__ = ["PublishConfig", "PublishError", "PublishedSnapshot", "Publisher", "published_steps"]

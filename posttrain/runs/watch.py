@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from posttrain.errors import describe_os_error, describe_validation_error
 from posttrain.fsutil import atomic_write
 from posttrain.trainer.checkpoints import CheckpointInfo, checkpoint_dirs, try_inspect
 
@@ -106,11 +107,18 @@ def load_cursor(cursor_path: str | os.PathLike[str], output_dir: str | os.PathLi
     cursor_path = Path(cursor_path)
     folder = str(Path(output_dir).absolute())
     try:
-        cursor = WatchCursor.model_validate_json(cursor_path.read_bytes())
+        data = cursor_path.read_bytes()
     except FileNotFoundError:
         return WatchCursor(output_dir=folder, updated=datetime.now(UTC))
+    except OSError as e:
+        raise ValueError(f"{cursor_path}: cannot read the watch cursor: {describe_os_error(e)}") from None
+    if not data.strip():
+        raise ValueError(f"{cursor_path}: the watch cursor file is empty (remove it to start from the first "
+                         "checkpoint)")
+    try:
+        cursor = WatchCursor.model_validate_json(data)
     except ValidationError as e:
-        raise ValueError(f"{cursor_path}: not a valid watch cursor: {e}") from None
+        raise ValueError(f"{cursor_path}: not a valid watch cursor: {describe_validation_error(e)}") from None
     if cursor.output_dir != folder:
         raise ValueError(f"{cursor_path}: cursor belongs to {cursor.output_dir}, not {folder}")
     return cursor

@@ -12,9 +12,10 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from posttrain.errors import naming
 from posttrain.fsutil import atomic_path, fsync_path
 from posttrain.storage.base import PathLike, Store
-from posttrain.storage.errors import InvalidKey, NotFound, PreconditionFailed
+from posttrain.storage.errors import InvalidKey, InvalidURI, NotFound, PreconditionFailed, StorageError
 from posttrain.storage.keys import check_key, check_prefix
 
 META_DIR = ".posttrain-store"  # lock file and temporary files; never listed
@@ -40,7 +41,12 @@ class LocalStore(Store):
         self.root = Path(root).absolute()
         self._meta = self.root / META_DIR
         self._tmp = self._meta / "tmp"
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise InvalidURI(f"store {self.root}: is not a folder")
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"store {self.root}: cannot create {e.filename or self._tmp}: {e.strerror}") from None
 
     @property
     def uri(self) -> str:
@@ -51,8 +57,9 @@ class LocalStore(Store):
         dest = self._path(key)
         tmp = self._tmp_path()
         try:
-            shutil.copyfile(local_path, tmp)  # a copy: the source may change later
-            fsync_path(tmp)
+            with naming(dest):  # a full disk names the key's file, not the temporary one
+                shutil.copyfile(local_path, tmp)  # a copy: the source may change later
+                fsync_path(tmp)
             with self._lock():
                 self._publish(tmp, dest)
         finally:
@@ -67,8 +74,9 @@ class LocalStore(Store):
         data = bytes(data)
         tmp = self._tmp_path()
         try:
-            tmp.write_bytes(data)
-            fsync_path(tmp)
+            with naming(dest):
+                tmp.write_bytes(data)
+                fsync_path(tmp)
             with self._lock():
                 if if_none_match and dest.is_file():
                     raise PreconditionFailed(f"{self._name(key)}: exists (if_none_match)")

@@ -74,7 +74,8 @@ def test_spooled_checkpoints_survive_rotation(run_checkpoints, tmp_path):
 
 CRASH_POINTS = [
     "after_spool:1", "after_spool:4", "after_encode:1", "after_encode:3", "after_file:1", "after_file:4",
-    "before_index:2", "after_index:1", "after_ledger:3", "after_latest:2", "after_cleanup:1", "after_promote:5",
+    "before_index:2", "after_index:1", "after_ledger:3", "after_claim:2", "after_latest:2", "after_cleanup:1",
+    "after_promote:5",
 ]
 
 
