@@ -55,6 +55,7 @@ def load_submission(path: str, backend: str | None = None, dry_run: bool = False
     unknown = sorted(set(doc) - {"backend", "cluster", "job"})
     if unknown:
         raise UsageError(f"{path}: unknown section(s) {', '.join(unknown)}; expected backend, cluster, job")
+    defaulted = not (backend or doc.get("backend"))
     backend = backend or doc.get("backend") or "local"
     if backend not in BACKENDS:
         raise UsageError(f"{path}: backend: {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -74,7 +75,10 @@ def load_submission(path: str, backend: str | None = None, dry_run: bool = False
     try:
         config = parse_cluster_config(backend, cluster)
     except (ValidationError, ValueError) as e:
-        raise UsageError(f"{path}:\n{describe_validation_error(e, 'cluster')}") from None
+        from posttrain.runs.job import DEFAULTED_TO_LOCAL
+
+        note = f"\n{DEFAULTED_TO_LOCAL}" if defaulted else ""
+        raise UsageError(f"{path}:\n{describe_validation_error(e, 'cluster')}{note}") from None
     try:
         spec = JobSpec.model_validate(job)
     except ValidationError as e:

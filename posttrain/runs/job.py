@@ -50,6 +50,10 @@ from posttrain.trainer.config import TrainerConfig, TrainingResult
 TRAINER_FILE = "trainer.yaml"
 RESULTS_DIR = ".posttrain"
 SECTIONS = ("name", "run_id", "backend", "cluster", "trainer", "python", "watch_dir")
+DEFAULTED_TO_LOCAL = (
+    "backend: not given (no --backend, no backend: in the file), so the local backend was used and cluster: "
+    "was read as its settings; pass --backend slurm|k8s or add backend: to the file"
+)
 
 
 class SettingsError(ConfigError):
@@ -149,6 +153,7 @@ def parse_training_settings(doc: dict[str, Any], backend: str | None = None, dry
     if unknown:
         raise SettingsError(f"{unknown[0]}: unknown setting; expected {', '.join(SECTIONS)}")
     data = {k: v for k, v in doc.items() if k != "backend"}
+    given_backend = backend
     backend = backend or doc.get("backend") or "local"
     if backend not in CONFIG_TYPES:
         raise SettingsError(f"backend: {backend!r} is not one of {', '.join(CONFIG_TYPES)}")
@@ -159,7 +164,11 @@ def parse_training_settings(doc: dict[str, Any], backend: str | None = None, dry
     try:
         return TrainingSettings.model_validate(data)
     except ValidationError as e:
-        raise SettingsError(describe_errors(e)) from None
+        problems = describe_errors(e)
+        about_cluster = any(i["loc"] and i["loc"][0] == "cluster" for i in e.errors())
+        if about_cluster and not (given_backend or doc.get("backend")):
+            problems += f"\n{DEFAULTED_TO_LOCAL}"  # last: the first line names the field at fault
+        raise SettingsError(problems) from None
 
 
 def load_training_settings(path: str | Path, backend: str | None = None, dry_run: bool = False) -> TrainingSettings:
