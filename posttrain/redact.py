@@ -111,4 +111,13 @@ class LogFilter(logging.Filter):
         return True
 
 
-__all__ = ["MASK", "S3_ENV", "LogFilter", "has_userinfo", "remember", "scrub", "scrub_exception"]
+def logger(name: str) -> logging.Logger:
+    """``logging.getLogger(name)`` with a ``LogFilter``: what it logs is scrubbed before any handler
+    (a file, stderr, pytest's caplog) sees it."""
+    log = logging.getLogger(name)
+    if not any(isinstance(f, LogFilter) for f in log.filters):
+        log.addFilter(LogFilter())
+    return log
+
+
+__all__ = ["MASK", "S3_ENV", "LogFilter", "has_userinfo", "logger", "remember", "scrub", "scrub_exception"]

@@ -12,9 +12,9 @@ import socket
 import subprocess
 import sys
 import uuid
-from urllib.parse import quote
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
