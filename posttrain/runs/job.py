@@ -69,7 +69,8 @@ class SettingsError(ConfigError):
 class TrainingSettings(BaseModel):
     """The settings of one training run: where it runs (``cluster``) and what it trains (``trainer``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # an error about cluster.env must not echo a value that may be a credential
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     name: JobName = Field(default="train", description=f"Job name: a DNS-1123 label of at most {NAME_MAX} characters.")
     run_id: RunId | None = Field(

@@ -184,3 +184,13 @@ def test_a_local_job_gets_its_secrets_and_nothing_writes_them(tmp_path, capsys, 
     assert job_files and any(p.name.endswith("_log.out") for p in job_files)
     for p in job_files:
         assert_clean(p.read_bytes().decode(errors="replace"))
+
+
+def test_training_settings_errors_do_not_echo_env_values() -> None:
+    from posttrain.runs.job import TrainingSettings
+
+    with pytest.raises(pydantic.ValidationError) as err:
+        TrainingSettings.model_validate({"cluster": {"backend": "local", "env": {"DB_PASS": PLANTED["DB_PASS"]}},
+                                         "trainer": {}})
+    assert "DB_PASS" in str(err.value)
+    assert_clean(str(err.value))
