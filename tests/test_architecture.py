@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "posttrain"
 
 # Floors, lowest first. A module may import its own package and anything on a lower floor.
 FLOORS: dict[str, int] = {
-    "posttrain": 0, "posttrain.fsutil": 0, "posttrain.errors": 0, "posttrain.rewards": 0,
+    "posttrain": 0, "posttrain.fsutil": 0, "posttrain.errors": 0, "posttrain.redact": 0, "posttrain.rewards": 0,
     "posttrain.testing.crashpoints": 0,
     "posttrain.storage": 1, "posttrain.cluster": 1,
     "posttrain.chain": 2, "posttrain.datasets": 2, "posttrain.rollouts": 2,

@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 import sys
 
-from posttrain import __version__
+from posttrain import __version__, redact
 
 
 class UsageError(Exception):
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every error it prints goes through ``posttrain.redact.scrub``: S3 credentials
+    (configured or from the environment), a job's secrets and URL userinfo never show."""
     from pydantic import ValidationError
 
     from posttrain.chain.errors import ChainError
@@ -71,14 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValidationError as e:  # one line, not pydantic's dump
-        print(f"posttrain: error: {e.title}: {describe_validation_error(e)}", file=sys.stderr)
+        print(f"posttrain: error: {redact.scrub(f'{e.title}: {describe_validation_error(e)}')}", file=sys.stderr)
         return 2
     except (UsageError, ChainError, StorageError) as e:
-        print(f"posttrain: error: {e}", file=sys.stderr)
+        print(f"posttrain: error: {redact.scrub(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        redact.scrub_exception(e)  # its traceback, printed by Python, shows no secret either
+        raise
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def load_submission(path: str, backend: str | None = None, dry_run: bool = False
     unknown = sorted(set(doc) - {"backend", "cluster", "job"})
     if unknown:
         raise UsageError(f"{path}: unknown section(s) {', '.join(unknown)}; expected backend, cluster, job")
+    defaulted = not (backend or doc.get("backend"))
     backend = backend or doc.get("backend") or "local"
     if backend not in BACKENDS:
         raise UsageError(f"{path}: backend: {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -74,7 +75,10 @@ def load_submission(path: str, backend: str | None = None, dry_run: bool = False
     try:
         config = parse_cluster_config(backend, cluster)
     except (ValidationError, ValueError) as e:
-        raise UsageError(f"{path}:\n{describe_validation_error(e, 'cluster')}") from None
+        from posttrain.runs.job import DEFAULTED_TO_LOCAL
+
+        note = f"\n{DEFAULTED_TO_LOCAL}" if defaulted else ""
+        raise UsageError(f"{path}:\n{describe_validation_error(e, 'cluster')}{note}") from None
     try:
         spec = JobSpec.model_validate(job)
     except ValidationError as e:
@@ -83,6 +87,7 @@ def load_submission(path: str, backend: str | None = None, dry_run: bool = False
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from posttrain import redact
     from posttrain.cli import UsageError
     from posttrain.cluster import ConfigError, JobState, SubmissionError, open_backend
 
@@ -96,23 +101,24 @@ def _submit(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     except SubmissionError as e:
-        print(f"posttrain: submission failed: {e}", file=sys.stderr)
+        print(f"posttrain: submission failed: {redact.scrub(e)}", file=sys.stderr)
         return 1
     print(f"submitted {handle.job_id}; log: {handle.log_path}", file=sys.stderr)
     if args.detach:
         print(handle.job_id)
         return 0
-    follower = handle.follow_logs(sys.stdout.write) if hasattr(handle, "follow_logs") else None
+    write = lambda text: sys.stdout.write(redact.scrub(text))  # noqa: E731
+    follower = handle.follow_logs(write) if hasattr(handle, "follow_logs") else None
     with handle:  # Ctrl-C (KeyboardInterrupt) cancels the job on the way out
         state = handle.wait()
     if follower is not None:
         follower.stop()
     elif args.tail > 0:
-        print(handle.tail_log(args.tail), end="")
+        print(redact.scrub(handle.tail_log(args.tail)), end="")
     print(f"job {handle.job_id} ended {state.value}", file=sys.stderr)
     if state != JobState.COMPLETED:
         reason = handle.failure_reason()
         if reason:
-            print(f"reason: {reason}", file=sys.stderr)
+            print(f"reason: {redact.scrub(reason)}", file=sys.stderr)
         return 1
     return 0

@@ -80,11 +80,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
+    from posttrain import redact
     from posttrain.cli import UsageError
     from posttrain.serve.serve_config import ServeConfig, read_token
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # the server's log: every record scrubbed (S3 credentials...)
+        handler.addFilter(redact.LogFilter())
     try:
         token = read_token(file=args.token_file) if args.token_file else read_token(env=args.token_env)
     except ValueError as e:

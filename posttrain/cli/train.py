@@ -72,6 +72,7 @@ def _stage(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from posttrain import redact
     from posttrain.cli import UsageError
     from posttrain.cluster import ConfigError, SubmissionError, open_backend
     from posttrain.runs.follow import TrainingFailed, submit_training
@@ -86,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UsageError(f"{args.settings}:\n{e}") from None
     except SubmissionError as e:
-        print(f"posttrain: submission failed: {e}", file=sys.stderr)
+        print(f"posttrain: submission failed: {redact.scrub(e)}", file=sys.stderr)
         return 1
     print(f"submitted {run.job_id}; log: {run.log_path}", file=sys.stderr)
     if run.watch_dir is not None:
@@ -103,7 +104,7 @@ def _train(args: argparse.Namespace) -> int:
             for info in run.checkpoints(cursor_path=args.cursor, on_state=on_state, on_skip=on_skip):
                 print(info.model_dump_json(), flush=True)
     except TrainingFailed as e:
-        print(f"job {run.job_id} ended {e.state}\nreason: {e.reason}", file=sys.stderr)
+        print(f"job {run.job_id} ended {e.state}\nreason: {redact.scrub(e.reason)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"cancelled job {run.job_id}", file=sys.stderr)

@@ -7,6 +7,8 @@ import posixpath
 import re
 from collections.abc import Iterable, Mapping
 
+from posttrain import redact
+
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SLURM_VALUE = re.compile(r"^[A-Za-z0-9_:.+-]+$")
@@ -21,9 +23,28 @@ TOPOLOGY_FLAGS = frozenset(
     }
 )  # fmt: skip
 
-# Name parts that mark a value as a secret; such values belong in env_file / secret_env,
-# because plain `env` is written into job scripts and manifests.
-SECRET_NAME_PARTS = frozenset({"TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIALS", "APIKEY"})
+# Words that mark a variable as a credential when a segment of its name (split at "_") is made of
+# them: DB_PASS, GITHUB_PAT, GH_AUTH, SSH_PRIVATEKEY, API_CREDENTIAL, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
+# WANDB_API_KEY; not PATH, KEYBOARD_LAYOUT, TOKENIZERS_PARALLELISM or GIT_AUTHOR_NAME (PAT, KEY,
+# TOKEN and AUTH there are only the start of a longer word).
+SECRET_WORDS = frozenset(
+    {"PASS", "PASSWORD", "PASSWD", "PASSPHRASE", "PAT", "AUTH", "PRIVATE", "CREDENTIAL", "CREDENTIALS",
+     "TOKEN", "TOKENS", "SECRET", "SECRETS", "KEY", "KEYS"}
+)  # fmt: skip
+# Words that may stand before a secret word inside one segment (APIKEY, ACCESSKEY, DBPASS, ...).
+SECRET_PREFIX_WORDS = frozenset({"API", "ACCESS", "AUTH", "PRIVATE", "SSH", "DB", "CLIENT", "SESSION", "BEARER",
+                                 "OAUTH", "SIGNING", "ENCRYPTION", "MASTER", "ROOT", "ADMIN", "USER", "APP"})
+_SEGMENT = re.compile(
+    "^(?:{0})*(?:{1})(?:{0}|{1})*$".format(
+        "|".join(sorted(SECRET_PREFIX_WORDS, key=len, reverse=True)),
+        "|".join(sorted(SECRET_WORDS, key=len, reverse=True)),
+    )
+)
+
+
+def secret_name(name: str) -> bool:
+    """Whether ``name`` reads as a credential's name (see ``SECRET_WORDS``)."""
+    return any(_SEGMENT.match(part) for part in name.upper().split("_") if part)
 
 
 def dns_label(value: str, max_len: int = 63) -> str:
@@ -47,13 +68,31 @@ def env_names(env: Mapping[str, str], reserved: Iterable[str] = (), reserved_pre
             raise ValueError(f"{name} is set by posttrain itself and cannot be overridden")
 
 
-def no_plain_secrets(env: Mapping[str, str], where: str) -> None:
-    for name in env:
-        if SECRET_NAME_PARTS & set(name.upper().split("_")):
-            raise ValueError(
-                f"{name} looks like a secret; plain env values are written into the job, "
-                f"pass it through {where} instead"
-            )
+def no_plain_secrets(env: Mapping[str, str], where: str = "secrets") -> None:
+    """Refuse credentials in plain ``env`` (it is written into job files and dry-run output): by
+    name (``secret_name``) or by value (a URL with a user or password). The message never shows
+    the value."""
+    for name, value in env.items():
+        if secret_name(name):
+            why = "its name says it is a credential"
+        elif redact.has_userinfo(value):
+            why = "its value is a URL with a user or password"
+        else:
+            continue
+        raise ValueError(
+            f"{name}: {why}; plain env values are written into the job's files and shown by --dry-run. "
+            f"List the name under {where} instead: the job then gets the value from the submitting "
+            "environment, and nothing shows it"
+        )
+
+
+def secret_names(names: Iterable[str], reserved: Iterable[str] = (), reserved_prefixes: Iterable[str] = ()) -> None:
+    """The ``secrets:`` list: valid, unreserved, distinct environment variable names."""
+    names = list(names)
+    env_names(dict.fromkeys(names, ""), reserved, reserved_prefixes)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once")
 
 
 def launcher_args(args: Iterable[str]) -> None:

@@ -35,6 +35,12 @@ _SECRET_REF = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)/([-._a-zA-Z0-9]+)$"
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
+def _env_and_secrets(config: _LaunchSettings) -> None:
+    both = sorted(set(config.env) & set(config.secrets))
+    if both:
+        raise ValueError(f"env: {', '.join(both)} also listed in secrets")
+
+
 def _launcher_topology(launcher: str, nodes: int) -> None:
     if launcher == "python" and nodes > 1:
         raise ValueError(
@@ -68,7 +74,8 @@ def pyxis_image(value: str) -> str:
 
 
 class _LaunchSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # hide_input_in_errors: an error about env must not echo a value that may be a credential
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     launcher: Launcher = Field(
         default="torchrun",
@@ -81,7 +88,16 @@ class _LaunchSettings(BaseModel):
         "--nproc_per_node, --num_processes, ...).",
     )
     env: dict[str, str] = Field(
-        default_factory=dict, description="Plain environment variables of the job (NCCL tuning, ...); no secrets."
+        default_factory=dict,
+        description="Plain environment variables of the job (NCCL tuning, ...), written into its files and shown "
+        "by dry runs; credentials are refused (by name, or a URL with a password): list them under secrets.",
+    )
+    secrets: list[str] = Field(
+        default_factory=list,
+        description="Names of environment variables whose values the job gets from the submitting environment "
+        "at submit time, never written into a rendered file nor shown (Slurm: a 0600 file in the job folder "
+        "sourced by node.sh; Kubernetes: a Secret owned by the Job, through envFrom; local: the job's "
+        "environment). A name not set when submitting is an error.",
     )
     setup_commands: list[str] = Field(
         default_factory=list, description="Shell lines run on every node before the job starts."
@@ -203,11 +219,18 @@ class SlurmConfig(_LaunchSettings):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         checks.env_names(v, RESERVED_ENV, SLURM_RESERVED_PREFIXES)
-        checks.no_plain_secrets(v, "env_file")
+        checks.no_plain_secrets(v, "secrets (or put it in env_file)")
+        return v
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, v: list[str]) -> list[str]:
+        checks.secret_names(v, RESERVED_ENV, SLURM_RESERVED_PREFIXES)
         return v
 
     @model_validator(mode="after")
     def _shared(self) -> SlurmConfig:
+        _env_and_secrets(self)
         shared = self.shared_roots
         for field in ("job_root", "env_file"):
             value = getattr(self, field)
@@ -387,16 +410,26 @@ class KubernetesConfig(_LaunchSettings):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         checks.env_names(v, K8S_RESERVED_ENV, RESERVED_PREFIXES)
-        checks.no_plain_secrets(v, "secret_env")
+        checks.no_plain_secrets(v, "secrets (or secret_env, from a Secret of the namespace)")
+        return v
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, v: list[str]) -> list[str]:
+        checks.secret_names(v, K8S_RESERVED_ENV, RESERVED_PREFIXES)
         return v
 
     @model_validator(mode="after")
     def _cross(self) -> KubernetesConfig:
+        _env_and_secrets(self)
         both = sorted(set(self.env) & set(self.secret_env))
         if both:
             raise ValueError(f"env: {', '.join(both)} also set in secret_env")
+        both = sorted(set(self.secrets) & set(self.secret_env))
+        if both:
+            raise ValueError(f"secrets: {', '.join(both)} also set in secret_env")
         if self.object_storage is not None:
-            for field in ("env", "secret_env"):
+            for field in ("env", "secret_env", "secrets"):
                 clash = sorted(set(getattr(self, field)) & OBJECT_STORAGE_ENV)
                 if clash:
                     raise ValueError(f"{field}: {', '.join(clash)} is set by object_storage")
@@ -426,7 +459,19 @@ class LocalConfig(_LaunchSettings):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         checks.env_names(v, RESERVED_ENV, RESERVED_PREFIXES)
+        checks.no_plain_secrets(v, "secrets")
         return v
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, v: list[str]) -> list[str]:
+        checks.secret_names(v, RESERVED_ENV, RESERVED_PREFIXES)
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> LocalConfig:
+        _env_and_secrets(self)
+        return self
 
 
 ClusterConfig = SlurmConfig | KubernetesConfig | LocalConfig

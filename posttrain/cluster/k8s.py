@@ -1,9 +1,11 @@
 """Kubernetes backend through the ``kubernetes`` client.
 
 Submission order, so that nothing is orphaned: the Job is created **suspended** (no pods yet),
-then the Service and ConfigMap with ``ownerReferences`` to the Job's uid, then the Job is resumed.
-Deleting the Job (cancel, or ``ttlSecondsAfterFinished``) lets the garbage collector delete the
-Service and ConfigMap; if any step fails, the Job is deleted and takes the rest with it.
+then the Service, the ConfigMap and the Secret of ``secrets:`` (values read from the submitting
+environment first, so a missing one stops everything before any object exists) with
+``ownerReferences`` to the Job's uid, then the Job is resumed: no pod starts before its Secret
+exists. Deleting the Job (cancel, or ``ttlSecondsAfterFinished``) lets the garbage collector delete
+the rest; if any step fails, the Job is deleted and takes the rest with it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from posttrain import redact
+from posttrain.cluster import job_secrets
 from posttrain.cluster import k8s_manifests as m
 from posttrain.cluster.config import KubernetesConfig
 from posttrain.cluster.errors import JobFailed, SubmissionError
@@ -42,7 +46,7 @@ def _status(e: Exception) -> int | None:
 
 
 def _reason(e: Exception) -> str:
-    return f"{getattr(e, 'status', '')} {getattr(e, 'reason', '')}".strip() or str(e)
+    return redact.scrub(f"{getattr(e, 'status', '')} {getattr(e, 'reason', '')}".strip() or str(e))
 
 
 class KubernetesBackend:
@@ -78,7 +82,9 @@ class KubernetesBackend:
             text = self.render(spec)
             print(text, end="")
             return DryRunHandle(text)
-        service, configmap, job = self.manifests(spec)
+        objects = self.manifests(spec)
+        values = job_secrets.read(self.config.secrets)
+        job = m.by_kind(objects, "Job")
         name, ns = job["metadata"]["name"], self.config.namespace
         batch, core = self.apis()
         ApiException = _api_exception()
@@ -95,15 +101,19 @@ class KubernetesBackend:
                 ) from None
             raise SubmissionError(f"creating Job {ns}/{name} failed: {_reason(e)}") from None
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": created.metadata.uid}
+        create = {"Service": "create_namespaced_service", "ConfigMap": "create_namespaced_config_map",
+                  "Secret": "create_namespaced_secret"}
         step = "Service"
         try:
-            body = copy.deepcopy(service)
-            body["metadata"]["ownerReferences"] = [owner]
-            core.create_namespaced_service(ns, body)
-            step = "ConfigMap"
-            body = copy.deepcopy(configmap)
-            body["metadata"]["ownerReferences"] = [owner]
-            core.create_namespaced_config_map(ns, body)
+            for obj in objects:
+                if obj["kind"] == "Job":
+                    continue
+                step = obj["kind"]
+                body = copy.deepcopy(obj)
+                body["metadata"]["ownerReferences"] = [owner]
+                if step == "Secret":
+                    body["stringData"] = {k: values[k] for k in body["stringData"]}
+                getattr(core, create[step])(ns, body)
             step = "resuming the Job"
             batch.patch_namespaced_job(name, ns, {"spec": {"suspend": False}})
         except ApiException as e:

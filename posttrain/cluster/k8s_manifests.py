@@ -1,5 +1,8 @@
-"""Kubernetes objects of a job, as plain dicts in apply order: headless Service, ConfigMap,
-Indexed Job. Pure functions: nothing here talks to a cluster.
+"""Kubernetes objects of a job, as plain dicts in apply order: headless Service, ConfigMap, the
+Secret of ``secrets:`` (when listed), Indexed Job. Pure functions: nothing here talks to a cluster.
+
+The Secret is rendered with ``${NAME}`` placeholders, never values: submission fills them in from
+the submitting environment (``k8s.py``), and the containers read it through ``envFrom``.
 
 Pod ``i`` of the Indexed Job has the hostname ``<job>-i`` in the Service's subdomain, so rank 0
 is ``<job>-0.<job>.<namespace>.svc.cluster.local``; ``JOB_COMPLETION_INDEX`` is the node rank.
@@ -13,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.cluster import checks
+from posttrain.cluster import checks, job_secrets
 from posttrain.cluster.config import K8S_RESERVED_ENV, OBJECT_STORAGE_ENV, RESERVED_PREFIXES, KubernetesConfig
 from posttrain.cluster.errors import ConfigError
 from posttrain.cluster.launch import Topology, launch_line
@@ -55,13 +58,15 @@ def check(config: KubernetesConfig, spec: JobSpec) -> JobSpec:
             )
     try:
         checks.env_names(spec.env, _reserved(config), RESERVED_PREFIXES)
-        checks.no_plain_secrets(spec.env, "the cluster's secret_env")
+        checks.no_plain_secrets(spec.env, "the cluster's secrets (or secret_env)")
     except ValueError as e:
         raise ConfigError("job.env", str(e)) from None
     clash = sorted(k for k in set(spec.env) & set(config.env) if spec.env[k] != config.env[k])
-    clash += sorted(set(spec.env) & set(config.secret_env))
+    clash += sorted(set(spec.env) & (set(config.secret_env) | set(config.secrets)))
     if clash:
-        raise ConfigError("job.env", f"{', '.join(clash)} also set in cluster.env or cluster.secret_env")
+        raise ConfigError(
+            "job.env", f"{', '.join(clash)} also set in cluster.env, cluster.secret_env or cluster.secrets"
+        )
     try:
         node_command(config, spec)
     except ValueError as e:
@@ -132,8 +137,24 @@ def _env(config: KubernetesConfig, spec: JobSpec, name: str) -> list[dict[str, A
     return env
 
 
+def secret(config: KubernetesConfig, meta: dict[str, Any]) -> dict[str, Any]:
+    """The Secret of ``secrets:``, each value a ``${NAME}`` placeholder (filled in at submission)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {name: "${" + name + "}" for name in sorted(config.secrets)},
+    }
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == kind)
+
+
 def manifests(config: KubernetesConfig, spec: JobSpec) -> list[dict[str, Any]]:
-    """Service, ConfigMap and Job for ``spec``, in apply order (no owner references yet)."""
+    """Service, ConfigMap, Secret (with ``secrets:``) and Job for ``spec``, in apply order (no owner
+    references yet)."""
     spec = check(config, spec)
     name = job_name(config, spec)
     labels = {"app.kubernetes.io/managed-by": "posttrain", JOB_LABEL: name}
@@ -185,6 +206,7 @@ def manifests(config: KubernetesConfig, spec: JobSpec) -> list[dict[str, Any]]:
         "command": ["/bin/bash", f"{JOB_MOUNT}/{ENTRYPOINT}"],
         "workingDir": spec.workdir or config.pvc_mount,
         "env": _env(config, spec, name),
+        **({"envFrom": [{"secretRef": {"name": name}}]} if config.secrets else {}),
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "volumeMounts": mounts,
     }
@@ -220,6 +242,8 @@ def manifests(config: KubernetesConfig, spec: JobSpec) -> list[dict[str, Any]]:
         job_spec["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
     job_spec["template"] = {"metadata": {"labels": dict(labels)}, "spec": pod}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": dict(meta, labels=dict(labels)), "spec": job_spec}
+    if config.secrets:
+        return [service, configmap, secret(config, dict(meta, labels=dict(labels))), job]
     return [service, configmap, job]
 
 
@@ -250,10 +274,19 @@ def render(config: KubernetesConfig, spec: JobSpec) -> str:
     name = objects[-1]["metadata"]["name"]
     flags = (("--kubeconfig", config.kubeconfig), ("--context", config.context))
     kubectl = "kubectl" + "".join(f" {flag} {shlex.quote(v)}" for flag, v in flags if v)
+    kinds = ", ".join(o["kind"] for o in objects)
+    owned = "Service, ConfigMap and Secret" if config.secrets else "Service and ConfigMap"
     header = (
         f"# posttrain dry run: Kubernetes job {name} in namespace {config.namespace}; nothing was applied.\n"
-        "# Apply order: Service, ConfigMap, Job. posttrain itself creates the Job first (suspended) and gives\n"
-        "# the Service and ConfigMap owner references to it; applied by hand they have none, so clean up with:\n"
-        f"#   {kubectl} -n {config.namespace} delete job,service,configmap -l {JOB_LABEL}={name}\n"
+        f"# Apply order: {kinds}. posttrain itself creates the Job first (suspended) and gives\n"
+        f"# the {owned} owner references to it; applied by hand they have none, so clean up with:\n"
+        f"#   {kubectl} -n {config.namespace} delete job,service,configmap{',secret' if config.secrets else ''} "
+        f"-l {JOB_LABEL}={name}\n"
     )
+    if config.secrets:
+        names = " ".join("$" + n for n in sorted(config.secrets))
+        header += (
+            f"# secrets: {job_secrets.describe(config.secrets)}.\n"
+            f"# The Secret holds ${{NAME}} placeholders; by hand: envsubst '{names}' < this-file | kubectl apply -f -\n"
+        )
     return header + to_yaml(objects)

@@ -20,7 +20,7 @@ from typing import Any
 
 import submitit
 
-from posttrain.cluster import checks
+from posttrain.cluster import checks, job_secrets
 from posttrain.cluster.command_job import CommandJob
 from posttrain.cluster.config import RESERVED_ENV, RESERVED_PREFIXES, LocalConfig
 from posttrain.cluster.errors import ConfigError
@@ -41,8 +41,12 @@ class LocalBackend:
         spec = spec.with_job_dir(self.job_dir(spec))
         try:
             checks.env_names(spec.env, RESERVED_ENV, RESERVED_PREFIXES)
+            checks.no_plain_secrets(spec.env, "the cluster's secrets")
         except ValueError as e:
             raise ConfigError("job.env", str(e)) from None
+        clash = sorted(set(spec.env) & set(self.config.secrets))
+        if clash:
+            raise ConfigError("job.env", f"{', '.join(clash)} also listed in cluster.secrets")
         if spec.function is not None and spec.workdir is not None:
             raise ConfigError("job.workdir", "a local callable runs in the submitter's working directory")
         if spec.command is not None:
@@ -80,6 +84,7 @@ class LocalBackend:
             f"# posttrain dry run: local job {spec.name} (run {spec.run_id}); nothing was started.",
             f"# job folder: {self.job_dir(spec)}",
             f"# environment: {env}",
+            *([f"# secrets: {job_secrets.describe(self.config.secrets)}"] if self.config.secrets else []),
             what,
         ]
         for name, text in sorted(spec.files.items()):
@@ -93,6 +98,7 @@ class LocalBackend:
             return DryRunHandle(text)
         spec = self.check(spec)
         cfg = self.config
+        secret_values = job_secrets.read(cfg.secrets)  # before anything is written
         job_dir = Path(self.job_dir(spec))
         job_dir.mkdir(parents=True, exist_ok=False)
         for name, text in spec.files.items():
@@ -100,7 +106,9 @@ class LocalBackend:
         # `env` execs python, so submitit's signals reach it directly (a shell would be in between)
         env = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(self.environment(spec).items()))
         python = f"env {env} {shlex.quote(sys.executable)}"
-        ex = SessionLocalExecutor(folder=job_dir, max_num_timeout=cfg.max_requeues, python=python)
+        # the secrets go in the controller's environment, never on a command line
+        ex = SessionLocalExecutor(folder=job_dir, max_num_timeout=cfg.max_requeues, python=python,
+                                  extra_env=secret_values)
         ex.update_parameters(
             timeout_min=(cfg.time_limit_s or 365 * 86400) / 60,
             gpus_per_node=cfg.gpus,

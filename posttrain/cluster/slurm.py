@@ -5,8 +5,10 @@ Layout of a job folder ``<jobs_dir>/<name>-<run_id>/`` on shared storage:
 - ``sbatch.sh``: submitit's sbatch script; its setup section exports ``MASTER_ADDR`` (first host of
   the allocation), ``MASTER_PORT`` and ``POSTTRAIN_JOB_DIR``; srun starts one task per node, in the
   container when ``image`` is set.
-- ``node.sh``: run by each task (inside the container): sources ``env_file``, then exports ``env``
-  (so ``env`` wins), runs ``setup_commands`` and execs submitit's Python entry point.
+- ``node.sh``: run by each task (inside the container): sources ``env_file`` and ``secrets.env``,
+  then exports ``env`` (so ``env`` wins), runs ``setup_commands`` and execs submitit's Python entry point.
+- ``secrets.env`` (with ``secrets:``): the listed variables' values, read from the submitting
+  environment at submit time and written with mode 0600 before sbatch; no rendered text shows them.
 - ``<job id>_submitted.pkl``: the pickled callable; a command job is a ``CommandJob`` running the
   launcher line (torchrun/accelerate/python) on each node.
 - ``<job id>_<rank>_log.out``: each node's log (stdout and stderr).
@@ -27,7 +29,8 @@ from typing import Any
 
 import submitit
 
-from posttrain.cluster import checks
+from posttrain import redact
+from posttrain.cluster import checks, job_secrets
 from posttrain.cluster.command_job import CommandJob
 from posttrain.cluster.config import RESERVED_ENV, SLURM_RESERVED_PREFIXES, SlurmConfig
 from posttrain.cluster.errors import ConfigError, SubmissionError
@@ -105,12 +108,17 @@ class SlurmBackend:
                 )
         try:
             checks.env_names(spec.env, RESERVED_ENV, SLURM_RESERVED_PREFIXES)
-            checks.no_plain_secrets(spec.env, "the cluster's env_file")
+            checks.no_plain_secrets(spec.env, "the cluster's secrets (or its env_file)")
         except ValueError as e:
             raise ConfigError("job.env", str(e)) from None
         clash = sorted(k for k in set(spec.env) & set(cfg.env) if spec.env[k] != cfg.env[k])
         if clash:
             raise ConfigError("job.env", f"{', '.join(clash)} also set, differently, in cluster.env")
+        clash = sorted(set(spec.env) & set(cfg.secrets))
+        if clash:
+            raise ConfigError("job.env", f"{', '.join(clash)} also listed in cluster.secrets")
+        if cfg.secrets and job_secrets.SECRETS_FILE in spec.files:
+            raise ConfigError("job.files", f"{job_secrets.SECRETS_FILE} is the job's secrets file; rename it")
         if spec.command is not None:
             try:
                 self.node_command(spec)
@@ -135,6 +143,10 @@ class SlurmBackend:
         ]
         if cfg.env_file:
             lines += ["set -a", f"source {shlex.quote(cfg.env_file)}", "set +a"]
+        if cfg.secrets:
+            secrets_file = f"{self.job_dir(spec)}/{job_secrets.SECRETS_FILE}"
+            lines += [f"# {', '.join(sorted(cfg.secrets))}: written at submit time (mode 0600), values never rendered"]
+            lines += ["set -a", f"source {shlex.quote(secrets_file)}", "set +a"]
         env = {**cfg.env, **spec.env}
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         lines += list(cfg.setup_commands)
@@ -218,6 +230,9 @@ class SlurmBackend:
             "# ---- node command (each task runs it under submitit)",
             node_command,
         ]
+        if self.config.secrets:
+            parts += ["", f"# ---- {job_dir}/{job_secrets.SECRETS_FILE} (mode 0600, written at submit time)",
+                      f"# secrets: {job_secrets.describe(self.config.secrets)}"]
         for name, text in sorted(spec.files.items()):
             parts += ["", f"# ---- {job_dir}/{name}", text.rstrip("\n")]
         return "\n".join(parts) + "\n"
@@ -229,7 +244,11 @@ class SlurmBackend:
             print(text, end="")
             return DryRunHandle(text)
         spec = self.check(spec)
+        secret_values = job_secrets.read(self.config.secrets)  # before anything is written
         files = {NODE_FILE: self.node_script(spec).encode()}
+        if self.config.secrets:
+            # staged with mode 0600 in a 0700 job folder (shell.stage), before sbatch runs
+            files[job_secrets.SECRETS_FILE] = job_secrets.shell_file(secret_values).encode()
         files.update({name: text.encode() for name, text in spec.files.items()})
         ex = self.executor(spec, files)
         if spec.command is not None:
@@ -250,7 +269,7 @@ class SlurmBackend:
         try:
             self.shell.stage(job_dir, files)
         except (OSError, subprocess.CalledProcessError) as e:
-            raise SubmissionError(f"could not write the job folder {job_dir}: {_stderr(e)}") from None
+            raise SubmissionError(redact.scrub(f"could not write the job folder {job_dir}: {_stderr(e)}")) from None
         job_id = self._sbatch(f"{job_dir}/{SBATCH_FILE}", comment)
         # submitit's entry point waits up to 60 s for this name to appear
         self.shell.rename(f"{job_dir}/{PENDING_PICKLE}", f"{job_dir}/{job_id}_submitted.pkl")
@@ -272,7 +291,7 @@ class SlurmBackend:
                 return found
             transient = result.returncode == 255 or any(t in error.lower() for t in TRANSIENT_SBATCH_ERRORS)
             if not transient or attempt == SUBMIT_RETRIES:
-                raise SubmissionError(f"sbatch failed (exit {result.returncode}): {error}")
+                raise SubmissionError(redact.scrub(f"sbatch failed (exit {result.returncode}): {error}"))
             time.sleep(2.0 * 2**attempt)
         raise AssertionError("unreachable")
 

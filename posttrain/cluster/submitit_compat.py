@@ -93,12 +93,17 @@ class StagingExecutor(submitit.SlurmExecutor):
 class SessionLocalExecutor(submitit.LocalExecutor):
     """submitit's LocalExecutor, with its controller started in a new session (its pid is the
     process group id of the whole job). Copies ``submitit.local.local.start_controller`` (no
-    ``setup`` support), adding ``start_new_session``."""
+    ``setup`` support), adding ``start_new_session`` and ``extra_env`` (variables the job gets in
+    its environment, never on a command line: the job's secrets)."""
+
+    def __init__(self, *args: Any, extra_env: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.extra_env = dict(extra_env or {})
 
     def _submit_command(self, command: str) -> submitit.local.local.LocalJob:
         ntasks = self.parameters.get("tasks_per_node", 1)
         gpus = range(self.parameters.get("gpus_per_node", 0))
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env}
         env.update(
             SUBMITIT_LOCAL_NTASKS=str(ntasks),
             SUBMITIT_LOCAL_COMMAND=command,

@@ -13,7 +13,6 @@ error decoding, token scrubbing) is ``posttrain.inference.http``; the configurat
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 
 import requests
 
+from posttrain import redact
 from posttrain.chain.errors import FormatError
 from posttrain.chain.format import check_identity
 from posttrain.inference.config import HotLoadConfig
@@ -51,7 +51,7 @@ from posttrain.inference.protocol import (
     unwrap_hot_load,
 )
 
-log = logging.getLogger(__name__)
+log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
 # hotLoadId = uuid5(namespace, "<deployment>/<identity>/<attempt>"): the same call finds the same operation
 HOT_LOAD_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/posttrain/hotload-id")

@@ -9,7 +9,6 @@ and scrubs the token from every message it builds from a server reply.
 from __future__ import annotations
 
 import email.utils
-import logging
 import random
 import time
 from collections.abc import Callable
@@ -17,10 +16,11 @@ from typing import Any
 
 import requests
 
+from posttrain import redact
 from posttrain.inference.config import HotLoadConfig
 from posttrain.inference.contract import HotLoadAPIError, HotLoadUnavailable
 
-log = logging.getLogger(__name__)
+log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
 
 class HotLoadHTTP:
@@ -123,9 +123,10 @@ class HotLoadHTTP:
             self.sleep(seconds)
 
     def scrub(self, text: str) -> str:
-        """``text`` with the token replaced by ``***``."""
+        """``text`` with the token, S3 credentials and URL userinfo replaced by ``***`` (a failed
+        hot-load's condition may quote the store's error)."""
         secret = self.config.token.get_secret_value()
-        return text.replace(secret, "***") if secret else text
+        return redact.scrub(text.replace(secret, "***") if secret else text)
 
 
 def _json_object(resp: requests.Response, where: str) -> dict:

@@ -50,6 +50,10 @@ from posttrain.trainer.config import TrainerConfig, TrainingResult
 TRAINER_FILE = "trainer.yaml"
 RESULTS_DIR = ".posttrain"
 SECTIONS = ("name", "run_id", "backend", "cluster", "trainer", "python", "watch_dir")
+DEFAULTED_TO_LOCAL = (
+    "backend: not given (no --backend, no backend: in the file), so the local backend was used and cluster: "
+    "was read as its settings; pass --backend slurm|k8s or add backend: to the file"
+)
 
 
 class SettingsError(ConfigError):
@@ -65,7 +69,8 @@ class SettingsError(ConfigError):
 class TrainingSettings(BaseModel):
     """The settings of one training run: where it runs (``cluster``) and what it trains (``trainer``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # an error about cluster.env must not echo a value that may be a credential
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     name: JobName = Field(default="train", description=f"Job name: a DNS-1123 label of at most {NAME_MAX} characters.")
     run_id: RunId | None = Field(
@@ -149,6 +154,7 @@ def parse_training_settings(doc: dict[str, Any], backend: str | None = None, dry
     if unknown:
         raise SettingsError(f"{unknown[0]}: unknown setting; expected {', '.join(SECTIONS)}")
     data = {k: v for k, v in doc.items() if k != "backend"}
+    given_backend = backend
     backend = backend or doc.get("backend") or "local"
     if backend not in CONFIG_TYPES:
         raise SettingsError(f"backend: {backend!r} is not one of {', '.join(CONFIG_TYPES)}")
@@ -159,7 +165,11 @@ def parse_training_settings(doc: dict[str, Any], backend: str | None = None, dry
     try:
         return TrainingSettings.model_validate(data)
     except ValidationError as e:
-        raise SettingsError(describe_errors(e)) from None
+        problems = describe_errors(e)
+        about_cluster = any(i["loc"] and i["loc"][0] == "cluster" for i in e.errors())
+        if about_cluster and not (given_backend or doc.get("backend")):
+            problems += f"\n{DEFAULTED_TO_LOCAL}"  # last: the first line names the field at fault
+        raise SettingsError(problems) from None
 
 
 def load_training_settings(path: str | Path, backend: str | None = None, dry_run: bool = False) -> TrainingSettings:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import shutil
 import threading
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from posttrain import redact
 from posttrain.chain.errors import FormatError
 from posttrain.chain.fetch import SnapshotError, SnapshotSource
 from posttrain.chain.format import check_identity
@@ -51,7 +51,7 @@ from posttrain.inference.protocol import (
 from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FaultBox
 
-log = logging.getLogger(__name__)
+log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
 CREATE_FIELDS = {"deploymentId", "identity", "type", "promptCachePolicy", "hotLoadId", "incrementalSnapshotMetadata"}
 INCREMENTAL_FIELDS = {"previousSnapshotIdentity", "compressionFormat", "checksumFormat"}
@@ -343,8 +343,9 @@ class HotLoadService:
 
 
 def _condition(reason: str, message: str) -> dict:
+    """A condition of an operation, as the API returns it: its message scrubbed of secrets."""
     return {"type": "Failed" if reason != "ReplicaError" else "ReplicaError", "status": "True",
-            "reason": reason, "message": message, "lastTransitionTime": _rfc3339(time.time())}
+            "reason": reason, "message": redact.scrub(message), "lastTransitionTime": _rfc3339(time.time())}
 
 
 def _identity(value: object, what: str) -> str:

@@ -23,20 +23,20 @@ someone else runs (reported ERROR while it does not answer its health probe). En
 from __future__ import annotations
 
 import itertools
-import logging
 import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain import redact
 from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
 from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
 from posttrain.serve.completions import RequestError
 from posttrain.serve.engine import EngineCallError, EngineClient, EngineError, EngineProcess, Served
 from posttrain.serve.model_slot import recorded_version
 
-log = logging.getLogger(__name__)
+log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
 PROBE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids every vocabulary has: the weights' fingerprint
 RESTART_WAIT_S = 600.0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 import re
 import shutil
 import socket
@@ -27,6 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from pydantic import ValidationError
 
+from posttrain import redact
 from posttrain.chain.fetch import SnapshotSource
 from posttrain.inference.protocol import (
     API_PREFIX,
@@ -43,7 +43,7 @@ from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
 from posttrain.serve.serve_config import ServeConfig
 
-log = logging.getLogger(__name__)
+log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
 MAX_BODY_BYTES = 32 << 20
 GRPC_NAMES = {3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS", 8: "RESOURCE_EXHAUSTED",
@@ -207,7 +207,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(500, {"code": GRPC_INTERNAL, "message": "internal error", "details": []})
 
     def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
+        text = json.dumps(body)
+        # an error reply may quote a store's error; replies that carry tokens and text are left alone
+        data = (redact.scrub(text) if status >= 400 else text).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

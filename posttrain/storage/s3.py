@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from posttrain import redact
 from posttrain.fsutil import atomic_path
 from posttrain.storage.base import PathLike, Store
 from posttrain.storage.errors import NotFound, PreconditionFailed, StorageError
@@ -29,6 +30,7 @@ class S3Store(Store):
         self.config = config
         self._client: Any = None
         self._transfer: TransferConfig | None = None
+        self._credentials: Any = None  # botocore's, once the client exists
         self._lock = threading.Lock()
 
     @property
@@ -36,7 +38,7 @@ class S3Store(Store):
         return self.config.uri
 
     def __repr__(self) -> str:
-        return f"S3Store({self.uri!r}, endpoint_url={self.config.endpoint_url!r})"
+        return redact.scrub(f"S3Store({self.uri!r}, endpoint_url={self.config.endpoint_url!r})")
 
     # ------------------------------------------------------------------ client
     @property
@@ -83,6 +85,9 @@ class S3Store(Store):
                     user_agent_extra="posttrain",
                 ),
             )
+            # what the client signs with (config, environment or profile): scrubbed from every message
+            self._credentials = session.get_credentials()
+            redact.remember(*self._resolved())
         except Exception as e:  # noqa: BLE001 - bad profile, region, endpoint...
             raise self._error(e, "connect to", None) from None
         self._transfer = TransferConfig(
@@ -217,7 +222,13 @@ class S3Store(Store):
         return f"s3://{self.config.bucket}/{full}" if full is not None else self.uri
 
     def _error(self, exc: BaseException, op: str, full: str | None) -> StorageError:
-        """Our error for a boto3/botocore one, with secrets scrubbed from the message."""
+        """Our error for a boto3/botocore one. Secrets (credentials, URL userinfo) are scrubbed from
+        its message and, in place, from ``exc`` and its chain, which stays attached as the cause."""
+        error = self._describe(exc, op, full)
+        redact.scrub_exception(exc, self._secrets())
+        return error
+
+    def _describe(self, exc: BaseException, op: str, full: str | None) -> StorageError:
         from botocore.exceptions import ClientError
 
         name = self._name(full)
@@ -241,8 +252,20 @@ class S3Store(Store):
         where = f" at {self.config.endpoint_url}" if self.config.endpoint_url else ""
         return StorageError(self._scrub(f"{op} {name}{where}: {type(exc).__name__}: {exc}"))
 
+    def _resolved(self) -> list[str]:
+        """The credentials the client signs with now (from the config, environment or profile)."""
+        if self._credentials is None:
+            return []
+        try:
+            frozen = self._credentials.get_frozen_credentials()  # refreshed ones too
+        except Exception:  # noqa: BLE001 - no credentials to scrub then
+            return []
+        return [v for v in (frozen.access_key, frozen.secret_key, frozen.token) if v]
+
+    def _secrets(self) -> list[str]:
+        c = self.config
+        given = [v.get_secret_value() for v in (c.secret_access_key, c.session_token, c.access_key_id) if v]
+        return given + self._resolved()
+
     def _scrub(self, text: str) -> str:
-        for value in (self.config.secret_access_key, self.config.session_token, self.config.access_key_id):
-            if value is not None and value.get_secret_value():
-                text = text.replace(value.get_secret_value(), "**********")
-        return text
+        return redact.scrub(text, self._secrets())

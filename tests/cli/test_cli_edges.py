@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.support.s3 import PLANTED_KEY_ID, assert_no_planted
+
 
 def posttrain(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, timeout=60)
@@ -60,3 +62,20 @@ def test_watch_of_a_file_is_an_error(tmp_path):
 def test_watch_once_on_an_empty_folder_prints_nothing(tmp_path):
     proc = posttrain("watch", str(tmp_path), "--once", "--cursor", str(tmp_path / "cursor.json"))
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+
+
+def test_an_endpoint_url_with_a_password_is_never_printed(tmp_path):
+    proc = posttrain("chain", "apply", "s3://bucket/p", "--version", "v1", "--out", str(tmp_path / "out"),
+                     "--cache", str(tmp_path / "cache"), "--endpoint-url", "http://planted-user:planted-pw@127.0.0.1:99999")
+    assert proc.returncode == 2
+    assert "http://***@127.0.0.1:99999" in proc.stderr  # the capture worked: the endpoint is named
+    assert "planted" not in proc.stdout + proc.stderr
+
+
+def test_s3_credentials_of_the_environment_echoed_by_the_endpoint_are_never_printed(tmp_path, echo_endpoint):
+    proc = posttrain("chain", "apply", "s3://bucket/p", "--version", "v1", "--out", str(tmp_path / "out"),
+                     "--cache", str(tmp_path / "cache"), "--endpoint-url", echo_endpoint.url)
+    assert proc.returncode == 2
+    assert "AccessDenied" in proc.stderr and "echoed request headers" in proc.stderr  # the capture worked
+    assert PLANTED_KEY_ID in "".join(echo_endpoint.seen)  # and the key id was sent
+    assert_no_planted(proc.stdout + proc.stderr)

@@ -55,6 +55,7 @@ def full_config(**change: Any) -> KubernetesConfig:
             "priority_class": "training-high",
             "service_account": "posttrain-trainer",
             "secret_env": {"HF_TOKEN": "hf-credentials/token", "WANDB_API_KEY": "wandb/api-key"},
+            "secrets": ["GITHUB_PAT", "DB_PASS"],
             "env": {"NCCL_DEBUG": "WARN"},
             "setup_commands": ["nvidia-smi -L"],
             "object_storage": {"org_id": "cw1234", "region": "US-EAST-04A"},
@@ -87,7 +88,8 @@ def spec(**change: Any) -> JobSpec:
 CONFIGS = {
     "full": full_config(),
     "minimal": minimal_config(),
-    "accelerate-4nodes": full_config(nodes=4, launcher="accelerate", object_storage=None, secret_env={}),
+    "accelerate-4nodes": full_config(nodes=4, launcher="accelerate", object_storage=None, secret_env={},
+                                     secrets=[]),
     "cpu-only": minimal_config(gpus_per_node=0, scratch_size="10Gi", ttl_seconds_after_finished=None),
     "user-nccl": full_config(env={"NCCL_IB_HCA": "mlx5", "HF_HOME": "/data/cache/hf"}, job_name="grpo-custom"),
 }
@@ -100,16 +102,19 @@ def test_golden_manifests(golden, no_contact) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_manifest_validates_against_the_official_schema(name: str) -> None:
-    objects = KubernetesBackend(CONFIGS[name]).manifests(spec())
-    assert [o["kind"] for o in objects] == ["Service", "ConfigMap", "Job"]
+    config = CONFIGS[name]
+    objects = KubernetesBackend(config).manifests(spec())
+    kinds = ["Service", "ConfigMap", *(["Secret"] if config.secrets else []), "Job"]
+    assert [o["kind"] for o in objects] == kinds
     for obj in objects:
         assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True) == K8S_VERSION.rsplit(".", 1)[0]
     # what submission sends too: the suspended Job and owner references
-    suspended = dict(objects[2], spec=dict(objects[2]["spec"], suspend=True))
+    suspended = dict(objects[-1], spec=dict(objects[-1]["spec"], suspend=True))
     kubernetes_validate.validate(suspended, K8S_VERSION, strict=True)
-    owned = dict(objects[0], metadata=dict(objects[0]["metadata"], ownerReferences=[
-        {"apiVersion": "batch/v1", "kind": "Job", "name": "x", "uid": "u"}]))  # fmt: skip
-    kubernetes_validate.validate(owned, K8S_VERSION, strict=True)
+    for obj in objects[:-1]:
+        owned = dict(obj, metadata=dict(obj["metadata"], ownerReferences=[
+            {"apiVersion": "batch/v1", "kind": "Job", "name": "x", "uid": "u"}]))  # fmt: skip
+        kubernetes_validate.validate(owned, K8S_VERSION, strict=True)
 
 
 def test_schema_version_is_current() -> None:
@@ -124,7 +129,7 @@ def test_dry_run_yaml_is_the_manifests_without_anchors(no_contact) -> None:
 
 
 def test_job_shape() -> None:
-    service, configmap, job = KubernetesBackend(full_config()).manifests(spec())
+    service, configmap, secret, job = KubernetesBackend(full_config()).manifests(spec())
     name = "grpo-nightly-20250101-000000-abcd"
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"posttrain/job": name}
     js = job["spec"]
@@ -148,6 +153,9 @@ def test_job_shape() -> None:
     assert env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] == "/var/run/caios/token"
     assert env["AWS_ENDPOINT_URL_S3"] == "http://cwlota.com" and env["AWS_REGION"] == "US-EAST-04A"
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}
+    assert "GITHUB_PAT" not in env and container["envFrom"] == [{"secretRef": {"name": name}}]
+    assert secret["metadata"]["name"] == name and secret["type"] == "Opaque"
+    assert secret["stringData"] == {"DB_PASS": "${DB_PASS}", "GITHUB_PAT": "${GITHUB_PAT}"}  # never a value
     volumes = {v["name"]: v for v in pod["volumes"]}
     token = volumes["caios-token"]["projected"]["sources"][0]["serviceAccountToken"]
     assert token["audience"] == "https://coreweave.com/iam"
@@ -158,7 +166,7 @@ def test_job_shape() -> None:
 
 
 def test_user_env_replaces_defaults_and_is_never_overridden() -> None:
-    job = KubernetesBackend(CONFIGS["user-nccl"]).manifests(spec())[2]
+    job = KubernetesBackend(CONFIGS["user-nccl"]).manifests(spec())[-1]
     env = job["spec"]["template"]["spec"]["containers"][0]["env"]
     names = [e["name"] for e in env]
     assert len(names) == len(set(names))
@@ -188,22 +196,33 @@ def test_dry_run_submit_contacts_nothing(capsys, monkeypatch, no_contact) -> Non
 # ---------------------------------------------------------------- client code, fake API
 
 
-def test_submit_creates_the_job_suspended_then_owned_objects_then_resumes(fake_kube) -> None:
+def test_submit_creates_the_job_suspended_then_owned_objects_then_resumes(fake_kube, monkeypatch) -> None:
+    monkeypatch.setenv("GITHUB_PAT", "ghp-planted-value")
+    monkeypatch.setenv("DB_PASS", "db-planted-value")
     handle = KubernetesBackend(full_config(), apis=(fake_kube.batch, fake_kube.core)).submit(spec())
     assert fake_kube.names() == [
-        "create_namespaced_job", "create_namespaced_service", "create_namespaced_config_map", "patch_namespaced_job",
+        "create_namespaced_job", "create_namespaced_service", "create_namespaced_config_map",
+        "create_namespaced_secret", "patch_namespaced_job",
     ]  # fmt: skip
-    (_, (ns, job), _), (_, (_, service), _), (_, (_, configmap), _), (_, patch_args, _) = fake_kube.calls
+    (_, (ns, job), _), (_, (_, service), _), (_, (_, configmap), _), (_, (_, secret), _), (_, patch_args, _) = (
+        fake_kube.calls
+    )
     assert ns == "ml-team" and job["spec"]["suspend"] is True
     owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"], "uid": "uid-1234"}
     assert service["metadata"]["ownerReferences"] == [owner] == configmap["metadata"]["ownerReferences"]
+    # the Secret, owned by the Job (deleted with it), is the only object holding the values
+    assert secret["metadata"]["ownerReferences"] == [owner]
+    assert secret["stringData"] == {"DB_PASS": "db-planted-value", "GITHUB_PAT": "ghp-planted-value"}
+    assert "planted" not in str([job, service, configmap])
     assert patch_args == (job["metadata"]["name"], "ml-team", {"spec": {"suspend": False}})
     assert handle.job_id == f"ml-team/{job['metadata']['name']}"
     fake_kube.job_status = _condition("Complete")
     assert handle.wait(timeout_s=5) == JobState.COMPLETED
 
 
-def test_failed_step_deletes_the_job_so_nothing_is_orphaned(fake_kube) -> None:
+def test_failed_step_deletes_the_job_so_nothing_is_orphaned(fake_kube, monkeypatch) -> None:
+    monkeypatch.setenv("GITHUB_PAT", "ghp-planted-value")
+    monkeypatch.setenv("DB_PASS", "db-planted-value")
     fake_kube.fail["create_namespaced_config_map"] = api_exception(403, "Forbidden")
     with pytest.raises(SubmissionError, match=r"ConfigMap of job .* failed \(403 Forbidden\); the Job was deleted"):
         KubernetesBackend(full_config(), apis=(fake_kube.batch, fake_kube.core)).submit(spec())
@@ -211,7 +230,9 @@ def test_failed_step_deletes_the_job_so_nothing_is_orphaned(fake_kube) -> None:
     assert name == "delete_namespaced_job" and kwargs == {"propagation_policy": "Background"}
 
 
-def test_existing_job_is_reported(fake_kube) -> None:
+def test_existing_job_is_reported(fake_kube, monkeypatch) -> None:
+    monkeypatch.setenv("GITHUB_PAT", "ghp-planted-value")
+    monkeypatch.setenv("DB_PASS", "db-planted-value")
     fake_kube.fail["create_namespaced_job"] = api_exception(409, "Conflict")
     with pytest.raises(SubmissionError, match="already exists"):
         KubernetesBackend(full_config(), apis=(fake_kube.batch, fake_kube.core)).submit(spec())

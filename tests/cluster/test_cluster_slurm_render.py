@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.cluster import JobSpec, SlurmConfig, SubmissionError, open_backend
+from posttrain.cluster import JobSpec, SlurmConfig, SubmissionError, job_secrets, open_backend
 from posttrain.cluster.launch import Topology, launch_line
 from posttrain.cluster.shell import LocalShell, SshShell
 from posttrain.cluster.slurm import NODE_FILE, SlurmBackend, slurm_state
@@ -34,6 +34,7 @@ def representative_config(**change: Any) -> SlurmConfig:
             "mounts": ["/mnt/data"],
             "env_file": f"{SHARED}/secrets/train.env",
             "env": {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+            "secrets": ["GITHUB_PAT", "DB_PASS"],
             "launcher": "torchrun",
             "setup_commands": ["nvidia-smi -L"],
             **change,
@@ -114,12 +115,18 @@ def test_env_wins_over_env_file_and_secrets_stay_out_of_the_render(tmp_path: Pat
     assert "hf_supersecret" not in backend.render(spec)
     node = tmp_path / NODE_FILE
     node.write_text(backend.node_script(backend.check(spec)))
+    # the secrets file submission writes into the job folder (values with quotes and spaces)
+    job_dir = Path(backend.job_dir(spec))
+    job_dir.mkdir(parents=True)
+    secrets = {"GITHUB_PAT": "ghp planted 'q'", "DB_PASS": "db$planted"}
+    (job_dir / job_secrets.SECRETS_FILE).write_text(job_secrets.shell_file(secrets))
     env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "POSTTRAIN_JOB_DIR": "/d"}
     out = subprocess.run(["bash", str(node), "env"], env=env, capture_output=True, text=True, check=True).stdout
     values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     assert values["NCCL_DEBUG"] == "WARN"  # env wins over env_file
     assert values["HF_TOKEN"] == "hf_supersecret"  # env_file reaches the job
     assert values["RUN_LABEL"] == "nightly"
+    assert values["GITHUB_PAT"] == secrets["GITHUB_PAT"] and values["DB_PASS"] == secrets["DB_PASS"]
     # an env_file that tries to move the rendezvous aborts the job
     env_file.write_text("MASTER_ADDR=evil\n")
     assert subprocess.run(["bash", str(node), "true"], env=env, capture_output=True).returncode != 0
@@ -246,14 +253,26 @@ def test_sbatch_refusal_is_not_retried(no_sleep) -> None:
     assert [c[0] for c in shell.commands] == ["sbatch", "squeue"]
 
 
-def test_submit_stages_the_job_folder_then_names_the_pickle_after_the_job_id(tmp_path: Path) -> None:
+def test_submit_stages_the_job_folder_then_names_the_pickle_after_the_job_id(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("GITHUB_PAT", "ghp-planted-value")
+    monkeypatch.setenv("DB_PASS", "db-planted-value")
     shell = ScriptedShell({"sbatch": [(0, "77;cluster\n", "")]})  # stages and renames files for real
     backend = SlurmBackend(representative_config(shared_dir=str(tmp_path), env_file=None, mounts=[]), shell=shell)
     spec = representative_spec(output_dir=f"{tmp_path}/out")
     handle = backend.submit(spec)
     job_dir = Path(backend.job_dir(spec))
     assert handle.job_id == "77" and handle.job_dir == str(job_dir)
-    assert sorted(p.name for p in job_dir.iterdir()) == ["77_submitted.pkl", NODE_FILE, "sbatch.sh", "trainer.yaml"]
+    assert sorted(p.name for p in job_dir.iterdir()) == [
+        "77_submitted.pkl", NODE_FILE, "sbatch.sh", job_secrets.SECRETS_FILE, "trainer.yaml"
+    ]  # fmt: skip
+    # the secrets file: written before sbatch ran, readable by its owner only; no other file has a value
+    secrets_file = job_dir / job_secrets.SECRETS_FILE
+    assert secrets_file.stat().st_mode & 0o777 == 0o600 and job_dir.stat().st_mode & 0o077 == 0
+    assert "GITHUB_PAT=ghp-planted-value" in secrets_file.read_text()
+    for path in job_dir.iterdir():
+        if path != secrets_file:
+            assert b"planted" not in path.read_bytes(), path
+    assert "source " + str(secrets_file) in (job_dir / NODE_FILE).read_text()
     assert shell.commands == [["sbatch", "--parsable", f"{job_dir}/sbatch.sh"]]
     assert "#SBATCH --comment=posttrain:grpo-nightly-20250101-000000-abcd" in (job_dir / "sbatch.sh").read_text()
     assert (job_dir / "trainer.yaml").read_text() == spec.files["trainer.yaml"]

@@ -107,3 +107,24 @@ def test_spec_runs_the_trainer_with_the_configured_python() -> None:
     assert ssh.local_output_dir is None
     with pytest.raises(SettingsError, match="^backend: 'nomad'"):
         parse_training_settings({"cluster": {}, "trainer": trainer}, "nomad")
+
+
+def test_without_a_backend_the_error_says_local_was_used(tmp_path, capsys, no_contact) -> None:
+    doc = {"cluster": SLURM, "trainer": _trainer("/mnt/shared")}  # Slurm settings, no backend anywhere
+    assert main(["train", _write(tmp_path, doc), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.image: Extra inputs are not permitted" in err
+    (line,) = [x for x in err.splitlines() if x.startswith("backend:")]
+    assert "the local backend was used" in line and "--backend" in line
+    # with a backend given, the line is not there
+    assert main(["train", _write(tmp_path, {**doc, "cluster": {**SLURM, "nodes": 0}}), "--backend", "slurm",
+                 "--dry-run"]) == 2
+    assert "local backend" not in capsys.readouterr().err
+
+
+def test_submit_without_a_backend_says_local_was_used(tmp_path, capsys, no_contact) -> None:
+    path = tmp_path / "submit.yaml"
+    path.write_text(yaml.safe_dump({"cluster": SLURM, "job": {"name": "j", "command": ["python", "x.py"]}}))
+    assert main(["submit", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.image" in err and "the local backend was used" in err

@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 from posttrain.storage import InvalidURI, S3Store, S3StoreConfig, StorageError, open_store
+from tests.support.s3 import PLANTED_KEY_ID, PLANTED_SESSION_TOKEN, EchoEndpoint, assert_no_planted
 
 SECRET = "SECRET-planted-xyz"
 KEY_ID = "AKIA-planted-id"
@@ -99,3 +100,52 @@ def test_validation_errors_do_not_echo_secrets() -> None:
     with pytest.raises(InvalidURI) as err2:
         open_store(f"s3://{KEY_ID}:{SECRET}@bucket/p")
     assert_clean(str(err2.value)) and "no credentials in the URI" in str(err2.value)
+
+
+# ---------------------------------------------------------------- credentials from the environment, echoed back
+
+
+@pytest.mark.parametrize(("status", "xml"), [(403, True), (403, False), (500, True), (500, False)])
+def test_credentials_from_the_environment_echoed_by_the_endpoint_never_show(
+    echo_endpoint: EchoEndpoint, status: int, xml: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    echo_endpoint.status, echo_endpoint.xml = status, xml
+    store = open_store("s3://bucket/p", endpoint_url=echo_endpoint.url, region="us-east-1", max_attempts=2,
+                       addressing_style="path")
+    (tmp_path / "f").write_bytes(b"x")
+    for call in (lambda: store.get_bytes("k"), lambda: store.put_bytes("k", b"x"),
+                 lambda: store.put_file(tmp_path / "f", "k"), lambda: store.get_file("k", tmp_path / "o")):
+        with pytest.raises(StorageError) as err:
+            call()
+        shown = "".join(traceback.format_exception(err.value))
+        assert "s3://bucket/p" in shown  # the capture worked: the error names the object
+        assert_no_planted(shown)
+        assert_no_planted(str(err.value.__cause__))  # the cause is kept (retries read it), scrubbed
+    # positive controls: the endpoint got the key id and token, and echoed them
+    assert PLANTED_KEY_ID in "".join(echo_endpoint.seen) and PLANTED_SESSION_TOKEN in "".join(echo_endpoint.seen)
+    if xml:
+        assert "echoed request headers" in str(err.value) and "Credential=***" in str(err.value)
+    assert_no_planted(caplog.text)
+
+
+def test_endpoint_userinfo_never_shows(tmp_path: Path) -> None:
+    endpoint = f"http://{KEY_ID}:{SECRET}@127.0.0.1:{closed_port()}"
+    store = open_store("s3://bucket/p", endpoint_url=endpoint, region="us-east-1", max_attempts=1,
+                       access_key_id="k" * 8, secret_access_key="s" * 8)
+    with pytest.raises(StorageError) as err:
+        store.get_bytes("k")
+    shown = "".join(traceback.format_exception(err.value))
+    assert "http://***@127.0.0.1" in str(err.value)  # the capture worked
+    assert_clean(shown + repr(store))
+
+
+def test_redact_scrubs_remembered_values_env_credentials_and_userinfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    from posttrain import redact
+
+    monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN)
+    redact.remember("remembered-value-1", None, "")
+    text = redact.scrub(f"a {TOKEN} b remembered-value-1 c https://u:p@h/x d postgres://me@db e ok")
+    assert text == "a *** b *** c https://***@h/x d postgres://***@db e ok"
+    assert redact.scrub("xy%2Bz", extra=["xy+z"]) == "***"  # the URL-encoded form too
+    assert redact.scrub("abc", extra=["ab"]) == "abc"  # too short to be told from a word

@@ -70,6 +70,7 @@ class FakeKube:
         self.core = SimpleNamespace(
             create_namespaced_service=self._rec("create_namespaced_service"),
             create_namespaced_config_map=self._rec("create_namespaced_config_map"),
+            create_namespaced_secret=self._rec("create_namespaced_secret"),
             list_namespaced_pod=self._rec("list_namespaced_pod", lambda *a, **k: SimpleNamespace(items=self.pods)),
             read_namespaced_pod_log=self._rec("read_namespaced_pod_log", self._log),
         )

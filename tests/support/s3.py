@@ -14,6 +14,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -159,3 +160,80 @@ def s3_config_factory() -> Callable[..., S3StoreConfig]:
 def s3_client() -> Callable[[str], object]:
     """``s3_client(endpoint)``: a plain boto3 client for checks behind the store's back."""
     return raw_client
+
+
+# ---------------------------------------------------------------- an endpoint that echoes the request headers
+
+PLANTED_KEY_ID = "AKIAPLANTEDKEYID0001"
+PLANTED_SECRET = "planted/Secret+Access=Key0001"
+PLANTED_SESSION_TOKEN = "planted-Session/Token+0001=="
+PLANTED = (PLANTED_KEY_ID, PLANTED_SECRET, PLANTED_SESSION_TOKEN)
+
+
+class EchoEndpoint:
+    """An S3 "endpoint" on 127.0.0.1 answering every request with ``status`` and the request's
+    headers in the body (an S3 XML error, or plain text with ``xml = False``); ``seen`` holds the
+    headers of every request, to prove the credentials were sent."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from xml.sax.saxutils import escape
+
+        endpoint = self
+        self.status = 403
+        self.xml = True
+        self.seen: list[str] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self) -> None:
+                headers = "".join(f"{k}: {v}\n" for k, v in self.headers.items())
+                endpoint.seen.append(headers)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                code = "AccessDenied" if endpoint.status == 403 else "InternalError"
+                if endpoint.xml:
+                    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                            f"<Message>echoed request headers: {escape(headers)}</Message></Error>").encode()
+                else:
+                    body = f"echoed request headers:\n{headers}".encode()
+                self.send_response(endpoint.status)
+                self.send_header("Content-Type", "application/xml" if endpoint.xml else "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = answer
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def echo_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[EchoEndpoint]:
+    """The echoing endpoint, with planted S3 credentials in the environment (the only ones:
+    no profile is read)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", PLANTED_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", PLANTED_SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", PLANTED_SESSION_TOKEN)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    endpoint = EchoEndpoint()
+    yield endpoint
+    endpoint.close()
+
+
+def assert_no_planted(text: str) -> None:
+    for planted in PLANTED:
+        assert planted not in text
+        assert quote(planted, safe="") not in text
