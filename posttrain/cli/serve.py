@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-n", type=int, default=64, help="largest n a request may ask")
+    p.add_argument("--max-request-tokens", type=int, default=262_144,
+                   help="largest prompts x n x max_tokens one completions request may ask (default 262144)")
     p.add_argument("--max-batch-rows", type=int, default=64, help="sequences sampled together")
     p.add_argument("--test-hooks", action="store_true",
                    help="serve /_test/faults and /_test/stats to inject faults (tests only)")
@@ -100,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             deployment_id=args.deployment_id, store=args.store, prefix=args.prefix, store_options=options,
             token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device, engine=args.engine,
             reload=args.reload, **_engine_fields(args),
-            max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_batch_rows=args.max_batch_rows,
+            max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_request_tokens=args.max_request_tokens,
+            max_batch_rows=args.max_batch_rows,
             test_hooks=args.test_hooks, faults=faults,
         )
     except ValidationError as e:

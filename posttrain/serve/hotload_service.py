@@ -365,7 +365,7 @@ def _page(items: list, scope: tuple[str, str], page_size: int | None, token: str
             data = json.loads(base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)))
             offset = int(data["o"])
             ok = [data["k"], data["s"]] == list(scope) and offset >= 0
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # 1e999, nested too deep
             ok = False
         if not ok:
             raise ServiceError(GRPC_INVALID_ARGUMENT, "invalid pageToken (keep the same filter across a walk)")

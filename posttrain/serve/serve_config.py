@@ -55,6 +55,10 @@ class ServeConfig(BaseModel):
     device: str = Field("auto", description="torch device: auto (cuda when available), cpu, cuda, cuda:1 ...")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_n: int = Field(64, ge=1, description="Largest n a request may ask for.")
+    max_request_tokens: int = Field(
+        262_144, ge=1, description="Largest prompts x n x max_tokens one completions request may ask for (every "
+        "engine): a request over it is refused with a 400 naming this limit, so that none holds the engine for long."
+    )
     max_batch_rows: int = Field(64, ge=1, description="Sequences sampled together in one batch.")
     test_hooks: bool = Field(False, description="Serve /_test/faults and /_test/stats (fault injection). Tests only.")
     faults: list[Fault] = Field(default_factory=list, description="Faults armed at start (implies test hooks).")

@@ -41,6 +41,7 @@ from posttrain.serve.completions import RequestError
 from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
+from posttrain.serve.http_body import read_body
 from posttrain.serve.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
                            extra)
                 return
             for m, pattern, name in self.ROUTES:
-                match = pattern.match(path)
+                match = pattern.fullmatch(path)
                 if match and m == method:
                     if name in ("add_faults", "clear_faults", "stats") and not self.app.test_hooks:
                         break
@@ -219,20 +220,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> object:
-        length = self.headers.get("Content-Length")
-        if not length:
-            return {}
-        try:
-            size = int(length)
-        except ValueError:
-            raise RequestError(400, "bad Content-Length") from None
-        if size > MAX_BODY_BYTES:
-            raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(size)
+        """The JSON request body, read up to MAX_BODY_BYTES whatever the headers claim."""
+        raw = read_body(self.rfile, self.headers, MAX_BODY_BYTES, self._refuse)
         try:
             return json.loads(raw) if raw else {}
+        except RecursionError:
+            raise RequestError(400, "the request body is nested too deeply") from None
         except ValueError:
             raise RequestError(400, "the request body is not valid JSON") from None
+
+    def _refuse(self, status: int, message: str) -> RequestError:
+        """An error for a body that was not read to its end: the connection cannot be reused."""
+        self.close_connection = True
+        return RequestError(status, message)
 
     def _qint(self, name: str) -> int | None:
         values = self.query.get(name)
