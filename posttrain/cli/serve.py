@@ -121,6 +121,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"posttrain serve: {server.model_name} for deployment {config.deployment_id} on {server.url}", flush=True)
+    if server.service.resumed is not None:
+        print(f"posttrain serve: resumed {server.service.resumed}, the version served before the restart "
+              f"(recorded in {server.work_dir})", flush=True)
+    else:
+        print(f"posttrain serve: booted clean on {config.model_dir} (no earlier version recorded in the work dir)",
+              flush=True)
     try:
         stop.wait()
     finally:

@@ -251,7 +251,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _health(self) -> None:
         served = self.app.engine.current()
         self._send(200, {"status": "ok", "deploymentId": self.app.config.deployment_id,
-                         "snapshotIdentity": served.identity})
+                         "snapshotIdentity": served.identity,
+                         # resumed: serving again what it served before a restart; clean: the boot weights
+                         "boot": "resumed" if self.app.service.resumed is not None else "clean"})
 
     def _models(self) -> None:
         served = self.app.engine.current()
