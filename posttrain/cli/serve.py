@@ -16,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, required=True, help="boot weights: a Hugging Face model folder")
     p.add_argument("--served-model-name", help="name requests give as `model` (default: the folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --host other than loopback (reachable from other machines; token only, no TLS)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--deployment-id", required=True, help="id of the deployment this server is")
     p.add_argument("--store", required=True, help="where the snapshot chain lives: a folder, file:// or s3:// URI")
@@ -99,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = ServeConfig(
             model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+            allow_remote=args.allow_remote,
             deployment_id=args.deployment_id, store=args.store, prefix=args.prefix, store_options=options,
             token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device, engine=args.engine,
             reload=args.reload, **_engine_fields(args),
@@ -110,12 +113,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
                              for err in e.errors(include_url=False, include_input=False))
         raise UsageError(problems) from None
-    if not args.model.is_dir():
-        raise UsageError(f"--model {args.model}: not a folder")
-
     from posttrain.serve.server import InferenceServer
 
-    server = InferenceServer(config)
+    try:
+        server = InferenceServer(config)
+    except ValueError as e:  # ServeStartError and the engine's refusals name the setting at fault
+        raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

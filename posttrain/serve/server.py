@@ -56,17 +56,43 @@ class _DropReply(Exception):
     """Close the connection without answering (test fault)."""
 
 
+class ServeStartError(ValueError):
+    """The server cannot start: one line naming the setting at fault."""
+
+
 class InferenceServer:
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or open_engine(config)
-        self.model_name = self.engine.model_name
-        self._own_work_dir = config.work_dir is None
-        self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        _check_model_dir(config.model_dir)
+        try:  # first, so that a port in use fails before minutes of loading
+            self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self))
+        except OSError as e:
+            raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
+                                  f"{e.strerror or e}") from None
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+        try:
+            self._open(config, engine)
+        except BaseException:
+            self.httpd.server_close()
+            raise
+
+    def _open(self, config: ServeConfig, engine: Engine | None) -> None:
         from posttrain.storage import open_store
 
-        self.store = open_store(config.store, **config.store_options)
+        try:
+            self.store = open_store(config.store, **config.store_options)
+        except OSError as e:
+            what = "is a file, not a folder" if Path(config.store).is_file() else (e.strerror or str(e))
+            raise ServeStartError(f"store (--store) {config.store}: {what}") from None
+        self._own_work_dir = config.work_dir is None
+        self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
+        try:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ServeStartError(f"work_dir (--work-dir) {self.work_dir}: {e.strerror or e}") from None
+        self.engine = engine or open_engine(config)
+        self.model_name = self.engine.model_name
         self.test_hooks = config.test_hooks or bool(config.faults)
         self.faults = FaultBox(config.faults)
         self.service = HotLoadService(
@@ -78,9 +104,6 @@ class InferenceServer:
             boot_dir=config.model_dir,
         )
         self._token = config.token.get_secret_value().encode()
-        self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self))
-        self.httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -108,6 +131,13 @@ class InferenceServer:
 
     def authorized(self, header: str | None) -> bool:
         return header is not None and hmac.compare_digest(header.encode(), b"Bearer " + self._token)
+
+
+def _check_model_dir(model_dir: Path) -> None:
+    if not model_dir.is_dir():
+        raise ServeStartError(f"model_dir (--model) {model_dir}: not a folder")
+    if not (model_dir / "config.json").is_file():
+        raise ServeStartError(f"model_dir (--model) {model_dir}: no config.json, so not a Hugging Face model folder")
 
 
 def open_engine(config: ServeConfig) -> Engine:
