@@ -64,15 +64,19 @@ class InferenceServer:
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
         _check_model_dir(config.model_dir)
-        try:  # first, so that a port in use fails before minutes of loading
-            self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self))
-        except OSError as e:
-            raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
-                                  f"{e.strerror or e}") from None
+        # bound first, so that a port in use fails before minutes of loading; listening once loaded,
+        # so that until then a connection is refused rather than left waiting
+        self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self), bind_and_activate=False)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
         try:
+            try:
+                self.httpd.server_bind()
+            except OSError as e:
+                raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
+                                      f"{e.strerror or e}") from None
             self._open(config, engine)
+            self.httpd.server_activate()
         except BaseException:
             self.httpd.server_close()
             raise
