@@ -106,7 +106,7 @@ class SnapshotSource:
             if not is_delta:
                 return ChainPlan(identity, kind, base, "full", list(reversed(chain)))
             nxt = meta.get("base_version")
-            if not isinstance(nxt, str) or not IDENTITY_RE.match(nxt):
+            if not isinstance(nxt, str) or not IDENTITY_RE.fullmatch(nxt):
                 raise SnapshotError(f"delta snapshot {cur} names no valid base_version ({nxt!r})")
             if nxt in chain:
                 raise SnapshotError(f"the base links of {identity} loop at {nxt}")

@@ -24,11 +24,11 @@ class SnapshotRef:
 
     @property
     def flavor(self) -> Flavor:
-        return Flavor.SLIME if SLIME_DIR_RE.match(self.name) else Flavor.COREWEAVE
+        return Flavor.SLIME if SLIME_DIR_RE.fullmatch(self.name) else Flavor.COREWEAVE
 
 
 def _sort_key(ref: SnapshotRef) -> tuple:
-    m = SLIME_DIR_RE.match(ref.name) or STEP_RE.match(ref.name)
+    m = SLIME_DIR_RE.fullmatch(ref.name) or STEP_RE.match(ref.name)
     return (int(m.group(1)) if m else -1, ref.name)
 
 
@@ -47,7 +47,7 @@ class ChainFolder:
                 if p.name.startswith(".") or not (p / INDEX_NAME).is_file():
                     continue
                 index = read_index(p)
-                slime = SLIME_DIR_RE.match(p.name)
+                slime = SLIME_DIR_RE.fullmatch(p.name)
                 if is_delta_index(index):
                     meta = index["metadata"]
                     version, base = str(meta.get("version")), str(meta.get("base_version"))
@@ -67,7 +67,7 @@ class ChainFolder:
         refs = self.refs()
         if version in refs:
             return refs[version]
-        if version.isdigit() or SLIME_DIR_RE.match(version):
+        if version.isdigit() or SLIME_DIR_RE.fullmatch(version):
             name = slime_dir(parse_slime_version(version))
             if name in refs:
                 return refs[name]

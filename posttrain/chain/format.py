@@ -35,7 +35,7 @@ def check_identity(identity: str, what: str = "identity") -> str:
     """An identity is one path segment of ``[A-Za-z0-9][A-Za-z0-9_.-]*``."""
     if not isinstance(identity, str) or not identity:
         raise FormatError(f"{what} is empty; it must be one path segment like 'step-00000100-<hex>'")
-    if len(identity) > MAX_IDENTITY_LEN or not IDENTITY_RE.match(identity):
+    if len(identity) > MAX_IDENTITY_LEN or not IDENTITY_RE.fullmatch(identity):
         raise FormatError(
             f"{what} {identity!r} is not one path segment matching [A-Za-z0-9][A-Za-z0-9_.-]*"
         )
@@ -50,7 +50,7 @@ def slime_dir(version: int) -> str:
 
 def parse_slime_version(text: str) -> int:
     """Accepts 3, '000003' or 'weight_v000003'."""
-    m = SLIME_DIR_RE.match(text)
+    m = SLIME_DIR_RE.fullmatch(text)
     digits = m.group(1) if m else text
     if not digits.isdigit():
         raise FormatError(f"{text!r} is not a slime version (an integer or weight_vNNNNNN)")

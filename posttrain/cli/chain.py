@@ -13,7 +13,7 @@ SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    m = SIZE_RE.match(text.strip())
+    m = SIZE_RE.fullmatch(text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512MiB or 1GiB")
     factor = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]

@@ -16,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, required=True, help="boot weights: a Hugging Face model folder")
     p.add_argument("--served-model-name", help="name requests give as `model` (default: the folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --host other than loopback (reachable from other machines; token only, no TLS)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--deployment-id", required=True, help="id of the deployment this server is")
     p.add_argument("--store", required=True, help="where the snapshot chain lives: a folder, file:// or s3:// URI")
@@ -51,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-n", type=int, default=64, help="largest n a request may ask")
+    p.add_argument("--max-request-tokens", type=int, default=262_144,
+                   help="largest prompts x n x max_tokens one completions request may ask (default 262144)")
     p.add_argument("--max-batch-rows", type=int, default=64, help="sequences sampled together")
     p.add_argument("--test-hooks", action="store_true",
                    help="serve /_test/faults and /_test/stats to inject faults (tests only)")
@@ -100,27 +104,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = ServeConfig(
             model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+            allow_remote=args.allow_remote,
             deployment_id=args.deployment_id, store=args.store, prefix=args.prefix, store_options=options,
             token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device, engine=args.engine,
             reload=args.reload, **_engine_fields(args),
-            max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_batch_rows=args.max_batch_rows,
+            max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_request_tokens=args.max_request_tokens,
+            max_batch_rows=args.max_batch_rows,
             test_hooks=args.test_hooks, faults=faults,
         )
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
                              for err in e.errors(include_url=False, include_input=False))
         raise UsageError(problems) from None
-    if not args.model.is_dir():
-        raise UsageError(f"--model {args.model}: not a folder")
-
     from posttrain.serve.server import InferenceServer
 
-    server = InferenceServer(config)
+    try:
+        server = InferenceServer(config)
+    except ValueError as e:  # ServeStartError and the engine's refusals name the setting at fault
+        raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"posttrain serve: {server.model_name} for deployment {config.deployment_id} on {server.url}", flush=True)
+    if server.service.resumed is not None:
+        print(f"posttrain serve: resumed {server.service.resumed}, the version served before the restart "
+              f"(recorded in {server.work_dir})", flush=True)
+    else:
+        print(f"posttrain serve: booted clean on {config.model_dir} (no earlier version recorded in the work dir)",
+              flush=True)
     try:
         stop.wait()
     finally:

@@ -50,7 +50,7 @@ def secret_name(name: str) -> bool:
 def dns_label(value: str, max_len: int = 63) -> str:
     if len(value) > max_len:
         raise ValueError(f"{value!r} is {len(value)} characters long; at most {max_len} are allowed")
-    if not DNS_LABEL.match(value):
+    if not DNS_LABEL.fullmatch(value):
         raise ValueError(
             f"{value!r} is not a DNS-1123 label (lowercase letters, digits and '-', "
             "starting and ending with a letter or digit)"
@@ -62,7 +62,7 @@ def env_names(env: Mapping[str, str], reserved: Iterable[str] = (), reserved_pre
     reserved = set(reserved)
     prefixes = tuple(reserved_prefixes)
     for name in env:
-        if not ENV_NAME.match(name):
+        if not ENV_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a valid environment variable name")
         if name in reserved or name.startswith(prefixes):
             raise ValueError(f"{name} is set by posttrain itself and cannot be overridden")
@@ -141,7 +141,7 @@ def time_limit_seconds(value: str) -> int:
     """Seconds in a Slurm time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
     ``D-HH:MM:SS``."""
     for pattern, units in _TIME_FORMATS:
-        m = pattern.match(value.strip())
+        m = pattern.fullmatch(value.strip())
         if m:
             seconds = sum(int(g) * _UNIT_S[u] for g, u in zip(m.groups(), units))
             if seconds <= 0:
@@ -154,6 +154,6 @@ K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[
 
 
 def k8s_quantity(value: str) -> str:
-    if not K8S_QUANTITY.match(value):
+    if not K8S_QUANTITY.fullmatch(value):
         raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 32, 500m, 256Gi)")
     return value

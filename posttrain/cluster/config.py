@@ -175,7 +175,7 @@ class SlurmConfig(_LaunchSettings):
     @field_validator("ssh_host")
     @classmethod
     def _ssh_host(cls, v: str | None) -> str | None:
-        if v is not None and not _SSH_HOST.match(v):
+        if v is not None and not _SSH_HOST.fullmatch(v):
             raise ValueError(f"{v!r} is not an ssh host alias")
         return v
 
@@ -197,14 +197,14 @@ class SlurmConfig(_LaunchSettings):
     @field_validator("partition", "account", "qos")
     @classmethod
     def _slurm_value(cls, v: str | None) -> str | None:
-        if v is not None and not checks.SLURM_VALUE.match(v):
+        if v is not None and not checks.SLURM_VALUE.fullmatch(v):
             raise ValueError(f"{v!r} has characters Slurm does not take here")
         return v
 
     @field_validator("memory")
     @classmethod
     def _memory(cls, v: str) -> str:
-        if not _SLURM_MEMORY.match(v):
+        if not _SLURM_MEMORY.fullmatch(v):
             raise ValueError(f"{v!r} is not a Slurm memory size (0, 512000, 500G, ...)")
         return v
 
@@ -290,7 +290,7 @@ class ObjectStorage(BaseModel):
     @field_validator("org_id", "region")
     @classmethod
     def _plain(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9][-A-Za-z0-9_.]*$", v):
+        if not re.fullmatch(r"^[A-Za-z0-9][-A-Za-z0-9_.]*$", v):
             raise ValueError(f"{v!r} has characters not allowed here")
         return v
 
@@ -380,7 +380,7 @@ class KubernetesConfig(_LaunchSettings):
     @field_validator("pvc", "priority_class", "service_account")
     @classmethod
     def _object_name(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", v):
+        if v is not None and not re.fullmatch(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", v):
             raise ValueError(f"{v!r} is not a Kubernetes object name")
         return v
 
@@ -393,7 +393,7 @@ class KubernetesConfig(_LaunchSettings):
     @classmethod
     def _node_selector(cls, v: dict[str, str]) -> dict[str, str]:
         for key in v:
-            if not _LABEL_KEY.match(key):
+            if not _LABEL_KEY.fullmatch(key):
                 raise ValueError(f"{key!r} is not a label key")
         return v
 
@@ -402,7 +402,7 @@ class KubernetesConfig(_LaunchSettings):
     def _secret_env(cls, v: dict[str, str]) -> dict[str, str]:
         checks.env_names(v, K8S_RESERVED_ENV, RESERVED_PREFIXES)
         for name, ref in v.items():
-            if not _SECRET_REF.match(ref):
+            if not _SECRET_REF.fullmatch(ref):
                 raise ValueError(f"{name}: {ref!r} is not secret-name/key")
         return v
 

@@ -36,7 +36,7 @@ class Topology:
 
 
 def is_python(program: str) -> bool:
-    return bool(_PYTHON.match(posixpath.basename(program)))
+    return bool(_PYTHON.fullmatch(posixpath.basename(program)))
 
 
 def python_target(command: Sequence[str], launcher: str) -> list[str]:

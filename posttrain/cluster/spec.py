@@ -78,7 +78,7 @@ class JobSpec(BaseModel):
     @classmethod
     def _files(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if not FILE_NAME.match(name) or name in {".", ".."}:
+            if not FILE_NAME.fullmatch(name) or name in {".", ".."}:
                 raise ValueError(f"{name!r} is not a plain file name (letters, digits, '-', '_', '.')")
         return v
 

@@ -89,6 +89,8 @@ def stage_dataset(
     dest = Path(dest)
     if not dest.is_absolute():
         raise StagingError(f"dest {str(dest)!r}: must be an absolute path on shared storage")
+    if dest.exists() and not dest.is_dir():
+        raise StagingError(f"dest {dest}: is a file, not a folder")
     if not source.is_file():
         raise StagingError(f"{source}: no such file")
     fmt = source_format or _SUFFIX_FORMATS.get(source.suffix.lower())
@@ -98,11 +100,21 @@ def stage_dataset(
         )
 
     # First pass: validate and hash without writing, so bad or already staged data costs no writes.
-    digest, rows, columns = _normalized_rows(source, fmt, out=None)
-    datasets_dir = dest / "datasets"
-    final = datasets_dir / digest[:DIGEST_PREFIX_CHARS]
+    try:
+        digest, rows, columns = _normalized_rows(source, fmt, out=None)
+    except OSError as e:
+        raise StagingError(f"{source}: cannot be read ({e.strerror or e})") from None
+    final = dest / "datasets" / digest[:DIGEST_PREFIX_CHARS]
     if (final / MANIFEST_FILE).exists():
         return _existing(final, digest)
+    try:
+        return _write(source, fmt, final, digest, rows, columns)
+    except OSError as e:
+        raise StagingError(f"dest {dest}: cannot write the dataset there ({e.strerror or e}"
+                           f"{': ' + e.filename if isinstance(e.filename, str) else ''})") from None
+
+
+def _write(source: Path, fmt: SourceFormat, final: Path, digest: str, rows: int, columns: list[str]) -> StagedDataset:
     with staging_dir(final) as tmp:
         if _normalized_rows(source, fmt, out=tmp / DATA_FILE)[0] != digest:
             raise StagingError(f"{source}: changed while it was being staged; nothing staged")
@@ -198,22 +210,15 @@ def _normalized_rows(source: Path, fmt: SourceFormat, out: Path | None) -> tuple
 def _read_rows(source: Path, fmt: SourceFormat) -> Iterator[tuple[str, Any]]:
     """(location, row or parse error) for every row; locations count from 1."""
     if fmt == "jsonl":
-        with open(source, encoding="utf-8", errors="strict") as f:
-            lineno = 0
-            while True:
-                lineno += 1
+        with open(source, "rb") as f:  # bytes, decoded line by line: an error names its own line
+            for lineno, raw in enumerate(f, start=1):
                 try:
-                    line = f.readline()
+                    line = raw.decode("utf-8", errors="strict")
                 except UnicodeDecodeError as e:
-                    raise StagingError(f"{source}: line {lineno}: not UTF-8 ({e.reason})") from None
-                if not line:
-                    return
-                if not line.strip():
+                    yield f"line {lineno}", ValueError(f"not UTF-8 ({e.reason} at byte {e.start + 1} of the line)")
                     continue
-                try:
-                    yield f"line {lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"line {lineno}", ValueError(f"not valid JSON ({e.msg} at column {e.colno})")
+                if line.strip():
+                    yield f"line {lineno}", _json_row(line)
     else:
         import pyarrow.parquet as pq
 
@@ -226,6 +231,18 @@ def _read_rows(source: Path, fmt: SourceFormat) -> Iterator[tuple[str, Any]]:
                     yield f"row {row_no}", row
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
             raise StagingError(f"{source}: cannot read as Parquet ({e})") from None
+
+
+def _json_row(line: str) -> Any:
+    """The parsed line, or the ValueError saying why it is not a row."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        return ValueError(f"not valid JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return ValueError("cannot be read: JSON nested too deeply")
+    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+        return ValueError(f"cannot be read: {str(e).split(';')[0]}")
 
 
 def _column_order(row: dict[str, Any]) -> list[str]:

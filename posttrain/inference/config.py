@@ -55,7 +55,7 @@ class HotLoadConfig(BaseModel):
     @classmethod
     def _api_url(cls, value: str) -> str:
         value = value.rstrip("/")
-        if not re.match(r"^https?://[^/@\s]+(/\S*)?$", value):
+        if not re.fullmatch(r"^https?://[^/@\s]+(/\S*)?$", value):
             raise ValueError("api_url must be http(s)://host[:port][/path] with no credentials in it")
         return value
 

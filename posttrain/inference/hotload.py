@@ -136,12 +136,16 @@ class CoreWeaveHotLoader:
 
     def _load(self, identity: str, kind: str, base: str | None, t0: float) -> HotLoadResult:
         deadline = t0 + self.config.timeout
-        op_id, existing = self._claim_operation_id(identity)
-        if existing is not None:
-            log.info("hot-load %s of %s exists already; following it", op_id, identity)
-            return self._follow(existing, identity, t0, deadline, attempts=0, adopted=True)
-        op, creates, adopted = self._create(op_id, identity, kind, base, deadline)
-        return self._follow(op, identity, t0, deadline, attempts=creates, adopted=adopted)
+        self._http.deadline = deadline  # no call's retries (Retry-After included) wait past it
+        try:
+            op_id, existing = self._claim_operation_id(identity)
+            if existing is not None:
+                log.info("hot-load %s of %s exists already; following it", op_id, identity)
+                return self._follow(existing, identity, t0, deadline, attempts=0, adopted=True)
+            op, creates, adopted = self._create(op_id, identity, kind, base, deadline)
+            return self._follow(op, identity, t0, deadline, attempts=creates, adopted=adopted)
+        finally:
+            self._http.deadline = None
 
     def _claim_operation_id(self, identity: str) -> tuple[str, dict | None]:
         """The first attempt number whose operation id is free, or an existing operation to follow.

@@ -9,6 +9,7 @@ and scrubs the token from every message it builds from a server reply.
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ class HotLoadHTTP:
         self.sleep = sleep
         self.clock = clock
         self.retries = 0
+        self.deadline: float | None = None  # a ``clock`` reading no call retries past (the hot-load's own)
 
     def close(self) -> None:
         self.session.close()
@@ -54,6 +56,10 @@ class HotLoadHTTP:
         url = self.config.api_url + path
         headers = {"Authorization": f"Bearer {self.config.token.get_secret_value()}", "Accept": "application/json"}
         where = self._where(name, method, path)
+        # no retry waits past the hot-load's deadline, nor past config.timeout for a call made alone
+        deadline = self.clock() + self.config.timeout
+        if self.deadline is not None:
+            deadline = min(deadline, self.deadline)
         attempt = 0
         while True:
             attempt += 1
@@ -82,7 +88,11 @@ class HotLoadHTTP:
             if attempt >= self.config.max_attempts:
                 raise HotLoadUnavailable(f"{problem} (gave up after {attempt} attempts)", status=problem.status,
                                          code=problem.code) from None
-            self.backoff(attempt, problem.retry_after, None, str(problem))
+            if self.clock() >= deadline:
+                raise HotLoadUnavailable(f"{problem} (gave up after {attempt} attempts: the client's deadline of "
+                                         f"{self.config.timeout:.0f}s passed)", status=problem.status,
+                                         code=problem.code) from None
+            self.backoff(attempt, problem.retry_after, deadline, str(problem))
 
     def pages(self, name: str, path: str, key: str, params: dict[str, Any]) -> list[dict]:
         """The objects listed under ``key`` on every page of GET ``path`` (pageToken / nextPageToken)."""
@@ -111,6 +121,8 @@ class HotLoadHTTP:
         delay *= 0.5 + random.random() / 2  # jitter: several clients do not retry in step
         if retry_after is not None:
             delay = max(delay, retry_after)
+        if deadline is not None:  # a Retry-After of an hour waits until the deadline at most
+            delay = max(0.0, min(delay, deadline - self.clock()))
         self.retries += 1
         log.warning("%s; retrying in %.1fs", why, delay)
         self.pause(delay, deadline)
@@ -155,18 +167,24 @@ def _error_of(resp: requests.Response) -> tuple[int | None, str]:
 
 
 def _retry_after(value: str | None) -> float | None:
-    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None when absent or unreadable."""
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None when absent or
+    unreadable (``inf``, ``nan``, negative, garbage: the client's own backoff applies)."""
     if not value:
         return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value) if len(value) <= 12 else None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # not the header's form (digits only), but meant as seconds: taken when finite and not negative
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _short(e: Exception) -> str:

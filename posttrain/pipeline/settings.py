@@ -142,7 +142,7 @@ class RunSettings(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _run_name(cls, v: str) -> str:
-        if not RUN_NAME_RE.match(v):
+        if not RUN_NAME_RE.fullmatch(v):
             raise ValueError("must be 1-36 lowercase letters, digits or dashes, starting and ending alphanumeric")
         return v
 

@@ -20,7 +20,7 @@ def spool_name(step: int) -> str:
 
 
 def spooled_step(path: Path) -> int | None:
-    m = SPOOL_RE.match(path.name)
+    m = SPOOL_RE.fullmatch(path.name)
     return int(m.group(1)) if m else None
 
 

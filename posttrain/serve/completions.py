@@ -50,8 +50,30 @@ class CompletionParams:
     seed: int | None
 
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default
+
+
+def check_request_size(body: object, limit: int | None) -> None:
+    """Refuse (400, naming the limit) a request whose prompts × n × max_tokens is over ``limit``:
+    the tokens one request may ask to generate. Fields that are malformed are left to the full
+    checks (``parse_request``, or the engine behind a gateway)."""
+    if limit is None or not isinstance(body, dict):
+        return
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt) else 1
+    n = body.get("n")
+    n = n if _is_int(n) and n > 0 else 1
+    max_tokens = body.get("max_tokens")
+    max_tokens = max_tokens if _is_int(max_tokens) and max_tokens > 0 else DEFAULT_MAX_TOKENS
+    asked = prompts * n * max_tokens
+    if asked > limit:
+        raise RequestError(400, f"prompts ({prompts}) x n ({n}) x max_tokens ({max_tokens}) = {asked} tokens is over "
+                                f"this server's limit of {limit} tokens per request (max_request_tokens); split the "
+                                "request", "prompt")
+
+
 def parse_request(body: object, *, model_name: str, vocab_size: int, max_positions: int | None,
-                  max_tokens_limit: int, max_n: int) -> CompletionParams:
+                  max_tokens_limit: int, max_n: int, max_request_tokens: int | None = None) -> CompletionParams:
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     for key, value in body.items():
@@ -77,7 +99,8 @@ def parse_request(body: object, *, model_name: str, vocab_size: int, max_positio
         raise RequestError(400, "logprobs must be 0 or 1: only the sampled token's log-prob is returned", "logprobs")
     prompts = _prompts(body.get("prompt"), vocab_size)
     n = _int(body, "n", 1, 1, max_n)
-    max_tokens = _int(body, "max_tokens", 16, 1, max_tokens_limit)
+    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, max_tokens_limit)
+    check_request_size(body, max_request_tokens)
     if max_positions is not None:
         longest = max(len(p) for p in prompts)
         if longest + max_tokens > max_positions:

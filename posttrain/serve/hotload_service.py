@@ -9,15 +9,12 @@ of each stage (``stageSeconds``: fetch, apply, load, swap), an addition of postt
 
 from __future__ import annotations
 
-import base64
-import json
+import copy
 import shutil
 import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from posttrain import redact
@@ -29,20 +26,17 @@ from posttrain.inference.protocol import (
     CACHE_PRESERVE,
     CHECKSUM_ADLER32,
     COMPRESSION_ZSTD,
-    DEFAULT_PAGE_SIZE,
     GRPC_ALREADY_EXISTS,
     GRPC_FAILED_PRECONDITION,
     GRPC_INVALID_ARGUMENT,
     GRPC_NOT_FOUND,
     GRPC_UNIMPLEMENTED,
-    MAX_PAGE_SIZE,
     REPLICA_ERROR,
     REPLICA_LOADING,
     REPLICA_READY,
     SNAPSHOT_TYPES,
     STATE_COMPLETED,
     STATE_FAILED,
-    STATE_PENDING,
     STATE_RUNNING,
     TERMINAL_STATES,
     TYPE_FULL,
@@ -50,6 +44,8 @@ from posttrain.inference.protocol import (
 )
 from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FaultBox
+from posttrain.serve.operations import Operation, Replica, ServiceError, condition, page
+from posttrain.serve.state import ServerState, load_state, save_state
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
@@ -57,64 +53,8 @@ CREATE_FIELDS = {"deploymentId", "identity", "type", "promptCachePolicy", "hotLo
 INCREMENTAL_FIELDS = {"previousSnapshotIdentity", "compressionFormat", "checksumFormat"}
 
 
-class ServiceError(Exception):
-    """A call the service refuses: a gRPC status code and a message."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 class InjectedFault(Exception):
     """A failure armed through the server's test hooks."""
-
-
-def _rfc3339(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-@dataclass
-class Operation:
-    id: str
-    seq: int
-    deployment_id: str
-    identity: str
-    type: str
-    prompt_cache_policy: str
-    incremental: dict | None
-    created_at: float
-    state: str = STATE_PENDING
-    conditions: list[dict] = field(default_factory=list)
-    snapshot_chain: list[str] = field(default_factory=list)
-    finished_at: float | None = None
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # fetch, apply, load, swap (posttrain's own)
-
-    def to_json(self) -> dict:
-        spec: dict = {"id": self.id, "deploymentId": self.deployment_id, "identity": self.identity,
-                      "type": self.type, "promptCachePolicy": self.prompt_cache_policy}
-        if self.incremental is not None:
-            spec["incrementalSnapshotMetadata"] = dict(self.incremental)
-        status = {"state": self.state, "conditions": [dict(c) for c in self.conditions],
-                  "snapshotChain": [{"identity": s} for s in self.snapshot_chain],
-                  "createdAt": _rfc3339(self.created_at), "finishedAt": _rfc3339(self.finished_at),
-                  "stageSeconds": dict(self.stage_seconds)}
-        return {"spec": spec, "status": status}
-
-
-@dataclass
-class Replica:
-    name: str
-    zone: str
-    state: str
-    identity: str | None
-    error_reason: str = ""
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "zone": self.zone, "state": self.state,
-                "currentSnapshotIdentity": self.identity or "", "errorReason": self.error_reason}
 
 
 class HotLoadService:
@@ -139,10 +79,9 @@ class HotLoadService:
         self._ops: dict[str, Operation] = {}
         self._seq = 0
         self._threads: list[threading.Thread] = []
+        self.resumed = self._resume()  # the version a restart reloaded; None: booted clean
         identity = engine.current().identity
         self._replicas = [Replica(name, "local-a", REPLICA_READY, identity) for name in engine.replica_names]
-        (work_dir / "views").mkdir(parents=True, exist_ok=True)
-        (work_dir / "models").mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ API
     def create(self, body: dict) -> Operation:
@@ -179,6 +118,7 @@ class HotLoadService:
             thread = threading.Thread(target=self._run, args=(op,), name=f"hotload-{op_id[:8]}", daemon=True)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         log.info("hot-load %s created: %s %s", op_id, kind, identity)
+        self._save()
         thread.start()
         return op
 
@@ -194,7 +134,7 @@ class HotLoadService:
             ops = sorted(self._ops.values(), key=lambda o: -o.seq)  # newest first
         if parent:
             ops = [o for o in ops if o.deployment_id == parent]
-        return _page(ops, ("list", parent or ""), page_size, page_token)
+        return page(ops, ("list", parent or ""), page_size, page_token)
 
     def replicas(self, op_id: str, page_size: int | None, page_token: str | None) -> tuple[list[Replica], str]:
         self.get(op_id)
@@ -205,7 +145,7 @@ class HotLoadService:
             if r.name in broken:
                 r.state, r.error_reason = REPLICA_ERROR, broken[r.name]
         reps.sort(key=lambda r: (r.zone, r.name))
-        return _page(reps, ("replicas", op_id), page_size, page_token)
+        return page(reps, ("replicas", op_id), page_size, page_token)
 
     def cancel(self, op_id: str) -> None:
         self.get(op_id)
@@ -216,6 +156,55 @@ class HotLoadService:
         """Wait for the running hot-loads (at shutdown, and in tests)."""
         for t in list(self._threads):
             t.join(timeout)
+
+    # ------------------------------------------------------------------ restarts
+    def _resume(self) -> str | None:
+        """Serve the version recorded in the work dir, keep the operations recorded there, and
+        remove what killed runs left (rebuilt folders not served, views)."""
+        views, models = self.work_dir / "views", self.work_dir / "models"
+        shutil.rmtree(views, ignore_errors=True)
+        views.mkdir(parents=True, exist_ok=True)
+        models.mkdir(parents=True, exist_ok=True)
+        state = load_state(self.work_dir) or ServerState()
+        for op in state.operations:
+            if op.state not in TERMINAL_STATES:  # cut short by the restart; the weights it had were kept
+                op.conditions.append(condition("ServerRestarted", "the server restarted before this hot-load "
+                                                                  "finished"))
+                op.state, op.finished_at = STATE_FAILED, op.finished_at or time.time()
+        self._ops = {op.id: op for op in state.operations}
+        self._seq = max((op.seq for op in state.operations), default=0)
+        resumed = None
+        if state.identity is not None and state.folder is not None:
+            folder = models / state.folder
+            try:
+                self.engine.load(folder, state.identity)
+                resumed = state.identity
+                log.info("resumed: serving %s from %s, as before the restart", state.identity, folder)
+            except Exception as e:  # noqa: BLE001 - a version that cannot be reloaded: boot weights then
+                log.warning("could not resume %s from %s (%s: %s)", state.identity, folder, type(e).__name__, e)
+        if resumed is None:
+            log.info("booted clean: serving the boot weights %s (no earlier version to resume in %s)",
+                     self.boot_dir or "", self.work_dir)
+        served = self.engine.current().path.resolve()
+        for leftover in models.iterdir():
+            if leftover.resolve() != served:
+                log.info("removing %s, a rebuilt version no longer served", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+        self._save()
+        return resumed
+
+    def _save(self) -> None:
+        """Record the version served and the operations in the work dir (atomically)."""
+        served = self.engine.current()
+        models = (self.work_dir / "models").resolve()
+        in_models = served.identity is not None and served.path.resolve().parent == models
+        with self._lock:
+            ops = copy.deepcopy(list(self._ops.values()))
+        try:
+            save_state(self.work_dir, ServerState(served.identity if in_models else None,
+                                                  served.path.name if in_models else None, ops))
+        except OSError as e:
+            log.warning("cannot record the server's state in %s: %s", self.work_dir, e)
 
     # ------------------------------------------------------------------ the load
     def _incremental(self, kind: str, meta: object) -> dict | None:
@@ -241,6 +230,7 @@ class HotLoadService:
             op.state = state
             if state in TERMINAL_STATES:
                 op.finished_at = time.time()
+        self._save()
 
     def _set_replicas(self, state: str, identity: str | None, error: str = "", only_first: bool = False) -> None:
         with self._lock:
@@ -259,7 +249,7 @@ class HotLoadService:
         if delay is not None:
             time.sleep(delay.seconds)
         view = self.work_dir / "views" / op.id
-        out = self.work_dir / "models" / f"{op.identity}-{op.id[:12]}"
+        out = self._new_folder(op)
         fetched: list[str] = []
         try:
             fault = self.faults.take("fail_hotload", snapshot_type=op.type)
@@ -268,7 +258,7 @@ class HotLoadService:
             broken = self.faults.take("replica_error")
             if broken is not None:
                 with self._lock:
-                    op.conditions.append(_condition("ReplicaError", broken.reason))
+                    op.conditions.append(condition("ReplicaError", broken.reason))
                 self._set(op, STATE_COMPLETED)
                 self._set_replicas(REPLICA_ERROR, before.identity, broken.reason, only_first=True)
                 log.warning("hot-load %s: replica-0 in ERROR (injected)", op.id)
@@ -292,6 +282,7 @@ class HotLoadService:
             reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
             t = self._stage(op, "apply", t)
             self.engine.load(out, op.identity)
+            self._save()  # recorded before the previous folder goes: a restart always finds what it names
             self._discard(before.path)
             self._stage(op, "load", t)
             self.source.forget(fetched)  # the served folder holds this version now: keep the cache empty
@@ -299,7 +290,7 @@ class HotLoadService:
         except Exception as e:  # noqa: BLE001 - every failure becomes the operation's condition
             reason = type(e).__name__
             with self._lock:
-                op.conditions.append(_condition(reason, str(e)))
+                op.conditions.append(condition(reason, str(e)))
             self._set(op, STATE_FAILED)
             self._set_replicas(REPLICA_READY, before.identity)
             if out.exists():
@@ -310,6 +301,16 @@ class HotLoadService:
                         before.identity or "the boot weights")
         finally:
             shutil.rmtree(view, ignore_errors=True)
+
+    def _new_folder(self, op: Operation) -> Path:
+        """Where to rebuild ``op``'s version: never the folder served, and empty (a run killed
+        mid-rebuild may have left the same name behind)."""
+        out = self.work_dir / "models" / f"{op.identity}-{op.id[:12]}"
+        if out.resolve() == self.engine.current().path.resolve():
+            out = out.with_name(f"{out.name}-{uuid.uuid4().hex[:8]}")
+        if out.exists():
+            shutil.rmtree(out)
+        return out
 
     def _stage(self, op: Operation, name: str, since: float) -> float:
         """Record a stage's seconds in the operation's status (``stageSeconds``); returns now."""
@@ -342,36 +343,8 @@ class HotLoadService:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _condition(reason: str, message: str) -> dict:
-    """A condition of an operation, as the API returns it: its message scrubbed of secrets."""
-    return {"type": "Failed" if reason != "ReplicaError" else "ReplicaError", "status": "True",
-            "reason": reason, "message": redact.scrub(message), "lastTransitionTime": _rfc3339(time.time())}
-
-
 def _identity(value: object, what: str) -> str:
     try:
         return check_identity(value, what)  # type: ignore[arg-type]
     except FormatError as e:
         raise ServiceError(GRPC_INVALID_ARGUMENT, str(e)) from None
-
-
-def _page(items: list, scope: tuple[str, str], page_size: int | None, token: str | None) -> tuple[list, str]:
-    """One page and the token of the next ('' at the end); a token only works in its own scope."""
-    if page_size is not None and page_size < 0:
-        raise ServiceError(GRPC_INVALID_ARGUMENT, "maxPageSize must not be negative")
-    size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-    offset = 0
-    if token:
-        try:
-            data = json.loads(base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)))
-            offset = int(data["o"])
-            ok = [data["k"], data["s"]] == list(scope) and offset >= 0
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise ServiceError(GRPC_INVALID_ARGUMENT, "invalid pageToken (keep the same filter across a walk)")
-    page = items[offset:offset + size]
-    if offset + size >= len(items):
-        return page, ""
-    raw = json.dumps({"k": scope[0], "s": scope[1], "o": offset + size}).encode()
-    return page, base64.urlsafe_b64encode(raw).decode().rstrip("=")

@@ -42,9 +42,21 @@ class ModelSlot:
 
 
 def resolve_device(device: str) -> torch.device:
+    """The torch device ``device`` names; ValueError (naming it) for one this machine does not have."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        found = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device (--device) {device!r}: not a torch device (auto, cpu, cuda, cuda:N)") from None
+    if found.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (found.index or 0) >= count:
+            raise ValueError(f"device (--device) {device!r}: this machine has {count} CUDA device(s)"
+                             + (f" (cuda:0..cuda:{count - 1})" if count else ""))
+    elif found.type not in ("cpu", "mps"):
+        raise ValueError(f"device (--device) {device!r}: not supported (auto, cpu, cuda, cuda:N)")
+    return found
 
 
 def recorded_version(path: Path) -> str | None:

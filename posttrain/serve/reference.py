@@ -62,7 +62,7 @@ class ReferenceEngine:
     def complete(self, body: object) -> dict:
         params = parse_request(body, model_name=self.model_name, vocab_size=self.vocab_size,
                                max_positions=self.max_positions, max_tokens_limit=self.config.max_tokens_limit,
-                               max_n=self.config.max_n)
+                               max_n=self.config.max_n, max_request_tokens=self.config.max_request_tokens)
         with self.generate_lock:
             served = self.slot.current()  # kept to the end: a swap meanwhile does not touch this request
             choices = sample(served.model, params.prompts, n=params.n, max_tokens=params.max_tokens,

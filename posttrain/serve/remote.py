@@ -32,7 +32,7 @@ from pathlib import Path
 from posttrain import redact
 from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
 from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
-from posttrain.serve.completions import RequestError
+from posttrain.serve.completions import RequestError, check_request_size
 from posttrain.serve.engine import EngineCallError, EngineClient, EngineError, EngineProcess, Served
 from posttrain.serve.model_slot import recorded_version
 
@@ -54,12 +54,14 @@ class Replica:
 
 class RemoteEngine:
     def __init__(self, *, kind: str, model_dir: Path, model_name: str, replicas: list[Replica],
-                 reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0):
+                 reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0,
+                 max_request_tokens: int | None = None):
         """``reload``: in-place, restart, or auto (restart when ``restart_when_tied`` and the model ties
         its embeddings: an engine kind whose in-place reload gets that wrong)."""
         if not replicas:
             raise ValueError(f"the {kind} engine needs at least one replica")
         self.kind = kind
+        self.max_request_tokens = max_request_tokens  # prompts x n x max_tokens one request may ask for
         self.restart_when_tied = restart_when_tied
         self.model_name = model_name
         self.replicas = replicas
@@ -96,6 +98,7 @@ class RemoteEngine:
         if body.get("model") != self.model_name:
             raise RequestError(404, f"model {body.get('model')!r} does not exist; this deployment serves "
                                     f"{self.model_name!r}", "model", kind="NotFoundError")
+        check_request_size(body, self.max_request_tokens)  # the engine would take any: the gateway bounds it
         with self._gate.shared():
             served = self._served
             replica = self._pick()

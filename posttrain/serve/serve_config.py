@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +20,11 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="Name requests must give as `model` (default: the folder name)."
     )
-    host: str = Field("127.0.0.1", description="Address to bind.")
+    host: str = Field("127.0.0.1", description="Address to bind: a loopback one unless allow_remote.")
+    allow_remote: bool = Field(
+        False, description="Allow a host other than loopback (127.0.0.1, ::1, localhost): the server is then "
+        "reachable from other machines, with only the bearer token and no TLS in front of it."
+    )
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
     deployment_id: str = Field(min_length=1, description="Id of the deployment this server is.")
     store: str = Field(description="Where the snapshot chain lives: a folder, file:// or s3:// URI.")
@@ -55,6 +60,10 @@ class ServeConfig(BaseModel):
     device: str = Field("auto", description="torch device: auto (cuda when available), cpu, cuda, cuda:1 ...")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_n: int = Field(64, ge=1, description="Largest n a request may ask for.")
+    max_request_tokens: int = Field(
+        262_144, ge=1, description="Largest prompts x n x max_tokens one completions request may ask for (every "
+        "engine): a request over it is refused with a 400 naming this limit, so that none holds the engine for long."
+    )
     max_batch_rows: int = Field(64, ge=1, description="Sequences sampled together in one batch.")
     test_hooks: bool = Field(False, description="Serve /_test/faults and /_test/stats (fault injection). Tests only.")
     faults: list[Fault] = Field(default_factory=list, description="Faults armed at start (implies test hooks).")
@@ -74,10 +83,22 @@ class ServeConfig(BaseModel):
             if self.reload == "restart":
                 raise ValueError("reload restart needs an engine the gateway starts; with sglang use auto or "
                                  "in-place")
+        if not self.allow_remote and not _loopback(self.host):
+            raise ValueError(f"host {self.host!r} is not a loopback address: the server would be reachable from "
+                             "other machines; give allow_remote (--allow-remote) to mean it")
         for i, url in enumerate(self.engine_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine_urls[{i}]: {url!r} is not an http(s) URL")
         return self
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def read_token(*, env: str | None = None, file: str | os.PathLike[str] | None = None) -> SecretStr:

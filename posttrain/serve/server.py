@@ -41,6 +41,7 @@ from posttrain.serve.completions import RequestError
 from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
+from posttrain.serve.http_body import read_body
 from posttrain.serve.serve_config import ServeConfig
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
@@ -55,17 +56,47 @@ class _DropReply(Exception):
     """Close the connection without answering (test fault)."""
 
 
+class ServeStartError(ValueError):
+    """The server cannot start: one line naming the setting at fault."""
+
+
 class InferenceServer:
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or open_engine(config)
-        self.model_name = self.engine.model_name
-        self._own_work_dir = config.work_dir is None
-        self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        _check_model_dir(config.model_dir)
+        # bound first, so that a port in use fails before minutes of loading; listening once loaded,
+        # so that until then a connection is refused rather than left waiting
+        self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self), bind_and_activate=False)
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+        try:
+            try:
+                self.httpd.server_bind()
+            except OSError as e:
+                raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
+                                      f"{e.strerror or e}") from None
+            self._open(config, engine)
+            self.httpd.server_activate()
+        except BaseException:
+            self.httpd.server_close()
+            raise
+
+    def _open(self, config: ServeConfig, engine: Engine | None) -> None:
         from posttrain.storage import open_store
 
-        self.store = open_store(config.store, **config.store_options)
+        try:
+            self.store = open_store(config.store, **config.store_options)
+        except OSError as e:
+            what = "is a file, not a folder" if Path(config.store).is_file() else (e.strerror or str(e))
+            raise ServeStartError(f"store (--store) {config.store}: {what}") from None
+        self._own_work_dir = config.work_dir is None
+        self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
+        try:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ServeStartError(f"work_dir (--work-dir) {self.work_dir}: {e.strerror or e}") from None
+        self.engine = engine or open_engine(config)
+        self.model_name = self.engine.model_name
         self.test_hooks = config.test_hooks or bool(config.faults)
         self.faults = FaultBox(config.faults)
         self.service = HotLoadService(
@@ -77,9 +108,6 @@ class InferenceServer:
             boot_dir=config.model_dir,
         )
         self._token = config.token.get_secret_value().encode()
-        self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self))
-        self.httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -107,6 +135,13 @@ class InferenceServer:
 
     def authorized(self, header: str | None) -> bool:
         return header is not None and hmac.compare_digest(header.encode(), b"Bearer " + self._token)
+
+
+def _check_model_dir(model_dir: Path) -> None:
+    if not model_dir.is_dir():
+        raise ServeStartError(f"model_dir (--model) {model_dir}: not a folder")
+    if not (model_dir / "config.json").is_file():
+        raise ServeStartError(f"model_dir (--model) {model_dir}: no config.json, so not a Hugging Face model folder")
 
 
 def open_engine(config: ServeConfig) -> Engine:
@@ -179,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
                            extra)
                 return
             for m, pattern, name in self.ROUTES:
-                match = pattern.match(path)
+                match = pattern.fullmatch(path)
                 if match and m == method:
                     if name in ("add_faults", "clear_faults", "stats") and not self.app.test_hooks:
                         break
@@ -221,20 +256,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> object:
-        length = self.headers.get("Content-Length")
-        if not length:
-            return {}
-        try:
-            size = int(length)
-        except ValueError:
-            raise RequestError(400, "bad Content-Length") from None
-        if size > MAX_BODY_BYTES:
-            raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(size)
+        """The JSON request body, read up to MAX_BODY_BYTES whatever the headers claim."""
+        raw = read_body(self.rfile, self.headers, MAX_BODY_BYTES, self._refuse)
         try:
             return json.loads(raw) if raw else {}
+        except RecursionError:
+            raise RequestError(400, "the request body is nested too deeply") from None
         except ValueError:
             raise RequestError(400, "the request body is not valid JSON") from None
+
+    def _refuse(self, status: int, message: str) -> RequestError:
+        """An error for a body that was not read to its end: the connection cannot be reused."""
+        self.close_connection = True
+        return RequestError(status, message)
 
     def _qint(self, name: str) -> int | None:
         values = self.query.get(name)
@@ -253,7 +287,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _health(self) -> None:
         served = self.app.engine.current()
         self._send(200, {"status": "ok", "deploymentId": self.app.config.deployment_id,
-                         "snapshotIdentity": served.identity})
+                         "snapshotIdentity": served.identity,
+                         # resumed: serving again what it served before a restart; clean: the boot weights
+                         "boot": "resumed" if self.app.service.resumed is not None else "clean"})
 
     def _models(self) -> None:
         served = self.app.engine.current()

@@ -156,4 +156,5 @@ def open_sglang_engine(config: ServeConfig) -> RemoteEngine:
                  info.get("weight_version"))
         replicas.append(Replica(f"sglang-{i}", client))
     return RemoteEngine(kind="sglang", model_dir=config.model_dir, model_name=name, replicas=replicas,
-                        reload=config.reload, restart_when_tied=False)
+                        reload=config.reload, restart_when_tied=False,
+                        max_request_tokens=config.max_request_tokens)

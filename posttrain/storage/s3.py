@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from posttrain import redact
 from posttrain.fsutil import atomic_path
 from posttrain.storage.base import PathLike, Store
 from posttrain.storage.errors import NotFound, PreconditionFailed, StorageError
 from posttrain.storage.keys import check_key, check_prefix, join
+from posttrain.storage.outage import retry_outage
 from posttrain.storage.s3config import S3StoreConfig
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+T = TypeVar("T")
 
 
 class S3Store(Store):
@@ -113,7 +115,8 @@ class S3Store(Store):
             raise FileNotFoundError(f"put_file {self._name(full)}: no such file {path}")
         client = self.client
         try:
-            client.upload_file(path, self.config.bucket, full, Config=self._transfer)
+            self._retry(lambda: client.upload_file(path, self.config.bucket, full, Config=self._transfer),
+                        f"upload {self._name(full)}")
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "upload", full) from e
 
@@ -129,8 +132,9 @@ class S3Store(Store):
         if if_match is not None:
             extra["IfMatch"] = if_match
         try:
-            response = self.client.put_object(
-                Bucket=self.config.bucket, Key=full, Body=bytes(data), **extra
+            response = self._retry(
+                lambda: self.client.put_object(Bucket=self.config.bucket, Key=full, Body=bytes(data), **extra),
+                f"put {self._name(full)}", resend_safe=not extra,  # a conditional write is not sent twice
             )
         except Exception as e:  # noqa: BLE001
             error = self._error(e, "put", full)
@@ -144,10 +148,10 @@ class S3Store(Store):
         for start in range(0, len(fulls), DELETE_BATCH):
             batch = fulls[start : start + DELETE_BATCH]
             try:
-                response = self.client.delete_objects(
+                response = self._retry(lambda batch=batch: self.client.delete_objects(
                     Bucket=self.config.bucket,
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
-                )
+                ), f"delete {self._name(batch[0])}")
             except Exception as e:  # noqa: BLE001
                 raise self._error(e, "delete", batch[0]) from e
             errors = response.get("Errors") or []
@@ -162,7 +166,8 @@ class S3Store(Store):
         with atomic_path(local_path, durable=False) as tmp:  # a copy that can be fetched again
             try:
                 # objects above part_size come as parallel ranged GETs
-                client.download_file(self.config.bucket, full, str(tmp), Config=self._transfer)
+                self._retry(lambda: client.download_file(self.config.bucket, full, str(tmp), Config=self._transfer),
+                            f"download {self._name(full)}")
             except Exception as e:  # noqa: BLE001
                 raise self._error(e, "download", full) from e
 
@@ -172,7 +177,8 @@ class S3Store(Store):
         full = self._key(key)
         for attempt in range(1, self.config.max_attempts + 1):
             try:
-                response = self.client.get_object(Bucket=self.config.bucket, Key=full)
+                response = self._retry(lambda: self.client.get_object(Bucket=self.config.bucket, Key=full),
+                                       f"get {self._name(full)}")
                 # botocore retries the request, not a body cut off midway: retry that here
                 return response["Body"].read(), str(response["ETag"])
             except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError) as e:
@@ -195,25 +201,31 @@ class S3Store(Store):
     def list(self, prefix: str = "") -> Iterator[str]:
         check_prefix(prefix)
         base = f"{self.config.prefix}/" if self.config.prefix else ""
-        paginator = self.client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(
-            Bucket=self.config.bucket,
-            Prefix=base + prefix,
-            PaginationConfig={"PageSize": self.config.list_page_size},
-        )
-        try:
-            for page in pages:
-                for item in page.get("Contents") or []:
-                    yield item["Key"][len(base) :]
-        except Exception as e:  # noqa: BLE001
-            raise self._error(e, "list", base + prefix) from e
+        args = {"Bucket": self.config.bucket, "Prefix": base + prefix, "MaxKeys": self.config.list_page_size}
+        while True:  # page by page, each retried through an outage on its own
+            try:
+                page = self._retry(lambda args=args: self.client.list_objects_v2(**args),
+                                   f"list {self._name(base + prefix)}")
+            except Exception as e:  # noqa: BLE001
+                raise self._error(e, "list", base + prefix) from e
+            for item in page.get("Contents") or []:
+                yield item["Key"][len(base) :]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            args = {**args, "ContinuationToken": token}
 
     # ------------------------------------------------------------------ helpers
     def _head(self, full: str) -> dict[str, Any]:
         try:
-            return self.client.head_object(Bucket=self.config.bucket, Key=full)
+            return self._retry(lambda: self.client.head_object(Bucket=self.config.bucket, Key=full),
+                               f"head {self._name(full)}")
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "head", full) from e
+
+    def _retry(self, call: Callable[[], T], what: str, *, resend_safe: bool = True) -> T:
+        """``call()`` through an outage of the store: botocore's attempts, then ``retry_outage``."""
+        return retry_outage(call, budget=self.config.outage_retry_s, what=what, resend_safe=resend_safe)
 
     def _key(self, key: str) -> str:
         return join(self.config.prefix, check_key(key))

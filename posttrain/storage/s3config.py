@@ -76,6 +76,11 @@ class S3StoreConfig(BaseModel):
         8, ge=1, le=50, description="Attempts per request, the first included (as AWS_MAX_ATTEMPTS); botocore "
         "retries throttling (503 SlowDown), 5xx and connection errors with backoff."
     )
+    outage_retry_s: float = Field(
+        120.0, ge=0, le=3600, description="Seconds to keep retrying a request through an outage of the store "
+        "(connection refused or reset, timeouts, 5xx) once botocore's own attempts are spent, with back-off "
+        "(1 s doubling to 30 s); 0: botocore's attempts only."
+    )
     connect_timeout: float = Field(10.0, gt=0, description="Seconds to open a connection.")
     read_timeout: float = Field(60.0, gt=0, description="Seconds to wait for data on a connection.")
     list_page_size: int = Field(

@@ -51,7 +51,7 @@ class CheckpointInfo(BaseModel):
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe a complete checkpoint folder or raise IncompleteCheckpoint saying what is missing."""
     path = Path(path)
-    match = CHECKPOINT_NAME.match(path.name)
+    match = CHECKPOINT_NAME.fullmatch(path.name)
     if match is None:
         raise IncompleteCheckpoint(f"{path}: not named checkpoint-<step>")
     try:
@@ -87,7 +87,7 @@ def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]
         return []
     found = []
     for name in names:
-        match = CHECKPOINT_NAME.match(name)
+        match = CHECKPOINT_NAME.fullmatch(name)
         if match and (output_dir / name).is_dir():
             found.append((int(match.group(1)), output_dir / name))
     return sorted(found)

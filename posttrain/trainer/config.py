@@ -104,7 +104,7 @@ class TrainerConfig(BaseModel):
     @field_validator("reward_funcs")
     @classmethod
     def _import_paths(cls, value: list[str]) -> list[str]:
-        bad = [v for v in value if not re.match(REWARD_FUNC_PATTERN, v)]
+        bad = [v for v in value if not re.fullmatch(REWARD_FUNC_PATTERN, v)]
         if bad:
             raise ValueError(f"expected 'module:function' import paths, got {bad}")
         return value

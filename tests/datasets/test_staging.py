@@ -130,3 +130,52 @@ def test_tampered_data_fails_verification(tmp_path):
     staged.data_path.write_text(staged.data_path.read_text().replace("What", "Wat"))
     with pytest.raises(StagingError, match="do not match the digest"):
         read_staged_rows(staged.manifest_path)
+
+
+def _good_line(i: int = 0) -> str:
+    return json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)})
+
+
+def test_a_bad_byte_is_reported_on_its_own_line(tmp_path):
+    lines = [_good_line(i).encode() for i in range(6000)]
+    lines[5000] = b'{"prompt": [{"role": "user", "content": "caf\xe9"}], "answer": "x"}'  # line 5001: Latin-1
+    source = tmp_path / "bad.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(StagingError) as e:
+        stage_dataset(source, tmp_path / "store")
+    assert e.value.problems == ["line 5001: not UTF-8 (invalid continuation byte at byte 45 of the line)"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[" * 100_000 + "]" * 100_000, "line 2: cannot be read: JSON nested too deeply"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "answer": ' + "9" * 5000 + "}",
+     "line 2: cannot be read: Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits"),
+])
+def test_json_a_parser_cannot_hold_is_a_problem_of_its_line(tmp_path, text, expected):
+    source = tmp_path / "bad.jsonl"
+    source.write_text(_good_line() + "\n" + text + "\n" + _good_line(1) + "\n")
+    with pytest.raises(StagingError) as e:
+        stage_dataset(source, tmp_path / "store")
+    assert e.value.problems == [expected]
+
+
+def test_a_destination_that_cannot_hold_folders_is_one_error(tmp_path):
+    source = tmp_path / "ok.jsonl"
+    source.write_text(_good_line() + "\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(StagingError, match=f"^dest {a_file}: is a file, not a folder$"):
+        stage_dataset(source, a_file)
+    with pytest.raises(StagingError, match="^dest /proc/self: cannot write the dataset there"):
+        stage_dataset(source, "/proc/self")
+
+
+def test_stage_command_errors_are_one_line(tmp_path, capsys):
+    from posttrain.cli import main
+
+    source = tmp_path / "ok.jsonl"
+    source.write_text(_good_line() + "\n")
+    (tmp_path / "file").write_text("x")
+    assert main(["stage", str(source), "--dest", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"posttrain: error: dest {tmp_path / 'file'}: is a file, not a folder\n"

@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from posttrain.inference.contract import HotLoadAPIError, HotLoader, HotLoadFailed, HotLoadTimeout
+from posttrain.inference.contract import (
+    HotLoadAPIError,
+    HotLoader,
+    HotLoadFailed,
+    HotLoadTimeout,
+    HotLoadUnavailable,
+)
 from posttrain.inference.protocol import (
     API_PREFIX,
     GRPC_FAILED_PRECONDITION,
@@ -348,3 +354,12 @@ def test_snapshot_cache_is_emptied_after_a_load(server, make_client, chain):
     cache = server.config.work_dir / "cache"
     assert cache.is_dir()
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == []
+
+
+def test_an_hour_of_retry_after_ends_at_the_clients_timeout(server, api, make_client, chain):
+    api.faults({"kind": "http_error", "status": 503, "count": 100, "method": "GET", "path_prefix": API_PREFIX,
+                "retry_after": 3600})
+    t0 = time.monotonic()
+    with pytest.raises(HotLoadUnavailable, match="deadline"):
+        make_client(server, timeout=1.5, max_attempts=100).hot_load(chain.full)
+    assert time.monotonic() - t0 < 10

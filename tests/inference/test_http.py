@@ -133,3 +133,26 @@ def test_close_closes_the_session():
     http, session, _ = _http()
     http.close()
     assert session.closed
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-5", "1e999", "soon", "99999999999999999999",
+                                   "Mon, 99 Foo 2024 99:99:99 GMT"])
+def test_garbage_retry_after_is_ignored(value):
+    http, _, clock = _http(reply(503, text="busy", headers={"Retry-After": value}), reply(200, {}))
+    assert http.request("get", "GET", "/p") == {}
+    assert len(clock.sleeps) == 1 and 0.05 <= clock.sleeps[0] <= 0.1  # the client's own backoff
+
+
+def test_retry_after_never_waits_past_the_clients_deadline():
+    busy = reply(503, text="busy", headers={"Retry-After": "3600"})
+    http, session, clock = _http(busy, busy, busy, timeout=30, max_attempts=10)
+    start = clock()
+    with pytest.raises(HotLoadUnavailable, match="deadline of 30s passed"):
+        http.request("get", "GET", "/p")
+    assert clock() - start == 30 and clock.sleeps == [30.0] and len(session.calls) == 2
+    # within a hot-load, its own deadline (set by the loader) comes first
+    http, session, clock = _http(busy, busy, max_attempts=10)
+    http.deadline = clock() + 5
+    with pytest.raises(HotLoadUnavailable, match="gave up after 2 attempts"):
+        http.request("get", "GET", "/p")
+    assert clock.sleeps == [5.0]

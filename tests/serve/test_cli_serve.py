@@ -74,3 +74,55 @@ def test_serve_refuses_to_start_without_a_token(chain, tmp_path):
                         "--deployment-id", "d", "--store", str(tmp_path), "--token-env", "SERVE_TEST_TOKEN"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "SERVE_TEST_TOKEN" in r.stderr
+
+
+def _serve_error(capsys, monkeypatch, chain, tmp_path, *args: str) -> str:
+    """Run ``posttrain serve`` in this process with ``args``; the one error line it prints (exit 2)."""
+    from posttrain.cli import main
+
+    monkeypatch.setenv("SERVE_TEST_TOKEN", TOKEN)
+    fields = {"--model": str(chain.models[0]), "--deployment-id": "d", "--store": str(chain.store),
+              "--port": "0", "--work-dir": str(tmp_path / "work")}
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    argv = ["serve", "--token-env", "SERVE_TEST_TOKEN"] + [x for k, v in {**fields, **given}.items() for x in (k, v)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert TOKEN not in err
+    return err.strip()
+
+
+def test_serve_start_errors_are_one_line_naming_the_setting(capsys, monkeypatch, chain, tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--port", str(port))
+        assert "--port" in err and f"127.0.0.1:{port}" in err and "in use" in err
+    finally:
+        busy.close()
+    (tmp_path / "empty").mkdir()
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--model", str(tmp_path / "empty"))
+    assert "--model" in err and "config.json" in err
+    (tmp_path / "a-file").write_text("x")
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--store", str(tmp_path / "a-file"))
+    assert "--store" in err and "is a file" in err
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--device", "cuda:7")
+    assert "--device" in err and "cuda:7" in err and "CUDA device" in err
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--device", "tpu:0")
+    assert "--device" in err
+    for host in ("0.0.0.0", "10.1.2.3", "example.com"):
+        err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--host", host)
+        assert "not a loopback address" in err and "--allow-remote" in err
+
+
+def test_loopback_hosts_need_no_flag():
+    from pydantic import SecretStr
+
+    from posttrain.serve.serve_config import ServeConfig
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        ServeConfig(model_dir=".", deployment_id="d", store=".", token=SecretStr("t"), host=host)
+    assert ServeConfig(model_dir=".", deployment_id="d", store=".", token=SecretStr("t"), host="0.0.0.0",
+                       allow_remote=True).host == "0.0.0.0"

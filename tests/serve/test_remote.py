@@ -110,3 +110,19 @@ def test_a_reload_the_engine_ignores_is_caught(versions):
         engine.load(versions["v1"], "v1")
     assert engine.current().identity is None
     engine.close()
+
+
+def test_the_gateway_bounds_the_tokens_one_request_asks_for(versions):
+    from posttrain.serve.completions import RequestError
+
+    server = Server(versions["boot"])
+    replicas = [Replica("r0", server, Supervisor(server))]
+    engine = RemoteEngine(kind="fake", model_dir=versions["boot"], model_name="m", replicas=replicas,
+                          monitor_interval_s=3600, max_request_tokens=1000)
+    try:
+        with pytest.raises(RequestError) as e:
+            engine.complete({"model": "m", "prompt": [[1, 2]] * 5000, "n": 64, "max_tokens": 16})
+        assert e.value.status == 400 and "max_request_tokens" in e.value.message and "1000" in e.value.message
+        assert engine.complete({"model": "m", "prompt": [[1, 2]] * 10, "n": 4, "max_tokens": 25})["choices"]
+    finally:
+        engine.close()

@@ -40,6 +40,7 @@ def planted_config(endpoint: str, **overrides: object) -> S3StoreConfig:
         secret_access_key=SECRET,
         session_token=TOKEN,
         max_attempts=2,
+        outage_retry_s=0,  # the errors themselves, not the ride through an outage (tests/storage/test_outage.py)
         connect_timeout=1,
     )
     fields.update(overrides)

@@ -42,4 +42,5 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
                 r.process.stop()
         raise
     return RemoteEngine(kind="vllm", model_dir=config.model_dir, model_name=name, replicas=replicas,
-                        reload=config.reload, restart_when_tied=True)
+                        reload=config.reload, restart_when_tied=True,
+                        max_request_tokens=config.max_request_tokens)
