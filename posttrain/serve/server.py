@@ -82,12 +82,12 @@ class InferenceServer:
             raise
 
     def _open(self, config: ServeConfig, engine: Engine | None) -> None:
-        from posttrain.storage import open_store
+        from posttrain.storage import StorageError, open_store
 
         try:
             self.store = open_store(config.store, **config.store_options)
-        except OSError as e:
-            what = "is a file, not a folder" if Path(config.store).is_file() else (e.strerror or str(e))
+        except (OSError, StorageError) as e:
+            what = "is a file, not a folder" if Path(config.store).is_file() else (getattr(e, "strerror", None) or e)
             raise ServeStartError(f"store (--store) {config.store}: {what}") from None
         self._own_work_dir = config.work_dir is None
         self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))

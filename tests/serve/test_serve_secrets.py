@@ -19,7 +19,7 @@ def test_a_store_echoing_credentials_leaks_nothing(make_server, make_client, cha
     caplog.set_level(logging.INFO)
     echo_endpoint.status = status
     options = {"endpoint_url": echo_endpoint.url, "region": "us-east-1", "max_attempts": 1,
-               "addressing_style": "path"}
+               "addressing_style": "path", "outage_retry_s": 0}
     server = make_server(store="s3://bucket", store_options=options)
     client = make_client(server)
     with pytest.raises(HotLoadFailed) as err:

@@ -113,7 +113,7 @@ def test_credentials_from_the_environment_echoed_by_the_endpoint_never_show(
     caplog.set_level(logging.INFO)
     echo_endpoint.status, echo_endpoint.xml = status, xml
     store = open_store("s3://bucket/p", endpoint_url=echo_endpoint.url, region="us-east-1", max_attempts=2,
-                       addressing_style="path")
+                       addressing_style="path", outage_retry_s=0)
     (tmp_path / "f").write_bytes(b"x")
     for call in (lambda: store.get_bytes("k"), lambda: store.put_bytes("k", b"x"),
                  lambda: store.put_file(tmp_path / "f", "k"), lambda: store.get_file("k", tmp_path / "o")):
@@ -133,7 +133,7 @@ def test_credentials_from_the_environment_echoed_by_the_endpoint_never_show(
 def test_endpoint_userinfo_never_shows(tmp_path: Path) -> None:
     endpoint = f"http://{KEY_ID}:{SECRET}@127.0.0.1:{closed_port()}"
     store = open_store("s3://bucket/p", endpoint_url=endpoint, region="us-east-1", max_attempts=1,
-                       access_key_id="k" * 8, secret_access_key="s" * 8)
+                       access_key_id="k" * 8, secret_access_key="s" * 8, outage_retry_s=0)
     with pytest.raises(StorageError) as err:
         store.get_bytes("k")
     shown = "".join(traceback.format_exception(err.value))
