@@ -19,6 +19,7 @@ import zstandard
 
 from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader
 from posttrain.chain.encode import (
+    SLICE_BYTES,
     Progress,
     _pwrite_all,
     _run_parallel,
@@ -30,7 +31,7 @@ from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
-from posttrain.fsutil import atomic_write
+from posttrain.fsutil import atomic_write, write_behind
 
 
 class _FrameSlice:
@@ -49,8 +50,8 @@ class _FrameSlice:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.reader = ChunkReader()
-        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
-        self.xor = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        self.scratch = np.empty(SLICE_BYTES, dtype=np.uint8)
+        self.xor = np.empty(SLICE_BYTES, dtype=np.uint8)
 
 
 @dataclass
@@ -141,17 +142,21 @@ def _apply_tensor(
     try:
         for chunk in local.reader.chunks(info):
             m = len(chunk)
-            work = chunk  # read-only window until the first delta writes into scratch
-            for delta, entry, reader, checksum in streams:
-                xor = local.xor[:m]
-                _read_exact(reader, xor, delta, entry, info)
-                out = local.scratch[:m]
-                np.bitwise_xor(work, xor, out=out)
-                work = out
-                checksum.update(work)
-            digest.update(work)
+            for start in range(0, m, SLICE_BYTES):  # slices stay in cache from XOR to write
+                work = chunk[start : start + SLICE_BYTES]  # read-only until a delta writes into scratch
+                k = len(work)
+                for delta, entry, reader, checksum in streams:
+                    xor = local.xor[:k]
+                    _read_exact(reader, xor, delta, entry, info)
+                    out = local.scratch[:k]
+                    np.bitwise_xor(work, xor, out=out)
+                    work = out
+                    checksum.update(work)
+                digest.update(work)
+                if target is not None:
+                    _pwrite_all(target[0], work, target[1] + pos + start)
             if target is not None:
-                _pwrite_all(target[0], work, target[1] + pos)
+                write_behind(target[0], target[1] + pos, m)
             pos += m
             if progress:
                 progress(m)

@@ -20,13 +20,18 @@ import numpy as np
 import xxhash
 import zstandard
 
-from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader, layout_changes
+from posttrain.chain.checkpoint import INDEX_NAME, Checkpoint, ChunkReader, layout_changes
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
-from posttrain.fsutil import atomic_write
+from posttrain.fsutil import atomic_write, write_behind
 
 ZSTD_LEVEL = 1
+# Each mapped window is worked through in slices this size, so that every step after the first
+# touch (checksums, XOR, zero count, zstd) reads from cache rather than memory.
+SLICE_BYTES = 1 << 20
+_ZEROS = np.zeros(SLICE_BYTES, dtype=np.uint8)
+_ZEROS.flags.writeable = False
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 
 Progress = Callable[[int], None]
@@ -85,7 +90,7 @@ class _Buffers(threading.local):
     def __init__(self) -> None:
         self.new = ChunkReader()
         self.base = ChunkReader()
-        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        self.scratch = np.empty(SLICE_BYTES, dtype=np.uint8)
 
 
 def _pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
@@ -166,6 +171,7 @@ def write_full(
             for chunk in local.new.chunks(info):
                 digest.update(chunk)
                 _pwrite_all(fd, chunk, offset + pos)
+                write_behind(fd, offset + pos, len(chunk))
                 pos += len(chunk)
                 if progress:
                     progress(len(chunk))
@@ -259,36 +265,64 @@ def _encode_tensor(
     progress: Progress | None,
     expected_base: dict[str, str] | None,
 ) -> TensorResult:
+    """One fused pass per window: checksums, XOR, zero count and zstd on each slice while it is in cache.
+
+    Zero slices are held back (counted, not compressed) until a changed one follows, so a tensor
+    that did not change never reaches zstd and leaves no spool file.
+    """
     checksum = new_checksum(fmt)
     digest = xxhash.xxh3_128()
     base_digest = xxhash.xxh3_128() if expected_base is not None else None
     spool = spool_dir / f"{threading.get_ident()}-{xxhash.xxh64_hexdigest(info.name.encode())}.zst"
     changed = 0
+    pending = 0  # zero bytes of the XOR stream not yet given to zstd
     scratch = local.scratch
-    with open(spool, "wb") as f:
-        writer = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(f, size=info.nbytes, closefd=False)
+    f = writer = None
+    size = 0
+    try:
         for cur, old in zip(local.new.chunks(info), local.base.chunks(binfo), strict=True):
-            checksum.update(cur)
-            digest.update(cur)
-            if base_digest is not None:
-                base_digest.update(old)
-            xor = scratch[: len(cur)]
-            np.bitwise_xor(cur, old, out=xor)
-            changed += int(np.count_nonzero(xor))
-            writer.write(xor)
+            for start in range(0, len(cur), SLICE_BYTES):
+                c, o = cur[start : start + SLICE_BYTES], old[start : start + SLICE_BYTES]
+                checksum.update(c)
+                digest.update(c)
+                if base_digest is not None:
+                    base_digest.update(o)
+                xor = scratch[: len(c)]
+                np.bitwise_xor(c, o, out=xor)
+                nz = int(np.count_nonzero(xor))
+                if nz == 0:
+                    pending += len(c)
+                    continue
+                changed += nz
+                if writer is None:
+                    f = open(spool, "wb")  # noqa: SIM115 - closed in finally
+                    writer = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(f, size=info.nbytes,
+                                                                                      closefd=False)
+                pending = _write_zeros(writer, pending)
+                writer.write(xor)
             if progress:
                 progress(len(cur))
             del cur, old
-        writer.flush(zstandard.FLUSH_FRAME)
-        size = f.tell()
-    result = TensorResult(info.name, info.nbytes, digest.hexdigest(), checksum.hexdigest(), changed, size, spool)
+        if writer is not None:
+            _write_zeros(writer, pending)
+            writer.flush(zstandard.FLUSH_FRAME)
+            size = f.tell()
+    finally:
+        if f is not None:
+            f.close()
+    result = TensorResult(info.name, info.nbytes, digest.hexdigest(), checksum.hexdigest(), changed, size,
+                          spool if writer is not None else None)
     if base_digest is not None and expected_base.get(info.name) != base_digest.hexdigest():
         result.base_matches = False
-    if changed == 0:
-        spool.unlink()
-        result.spool = None
-        result.compressed_bytes = 0
     return result
+
+
+def _write_zeros(writer, n: int) -> int:
+    while n:
+        k = min(n, len(_ZEROS))
+        writer.write(_ZEROS[:k])
+        n -= k
+    return 0
 
 
 def _assemble_shard(path: Path, tensors: list[TensorResult], durable: bool) -> int:
