@@ -8,6 +8,7 @@ written to the output shards, or discarded when only verifying.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def apply_chain(
             target = targets.get(name)
             return name, _apply_tensor(info, chain, target, local, frame_fd, progress)
 
-        order = sorted(base.tensors, key=lambda n: -base.tensors[n].nbytes)
+        order = _interleave_files(base)
         digests = dict(_run_parallel(run, order, workers or default_workers()))
         if durable:
             for fd in out_fds:
@@ -122,6 +123,15 @@ def apply_chain(
         for fd in fds.values():
             os.close(fd)
     return Applied({n: digests[n] for n in base.tensors}, base.total_bytes)
+
+
+def _interleave_files(base: Checkpoint) -> list[str]:
+    """Largest tensors first, taking turns between files: threads writing different files do not
+    queue on one file's lock (a buffered write holds its inode's lock while it copies)."""
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(base.tensors, key=lambda n: -base.tensors[n].nbytes):
+        by_file.setdefault(base.tensors[name].path.name, []).append(name)
+    return [n for turn in itertools.zip_longest(*by_file.values()) for n in turn if n is not None]
 
 
 def _apply_tensor(
