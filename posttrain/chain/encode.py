@@ -26,8 +26,7 @@ from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.fsutil import atomic_write, write_behind
 
-ZSTD_LEVEL = 1
-# Level 1's fast strategy with a 128 KiB window instead of its 512 KiB one: on the XOR streams of
+# zstd level 1's fast strategy with a 128 KiB window instead of its 512 KiB one: on the XOR streams of
 # bf16 optimizer steps (short zero runs between changed low bytes) frames come out ~7% smaller and
 # ~10% faster. Any zstd decoder reads them; the decompressed stream is what the format fixes.
 ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
