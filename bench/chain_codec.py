@@ -62,27 +62,54 @@ def make_pair(data: Path, gib: float, lr: float) -> tuple[Path, Path]:
     return d / "base", d / "new"
 
 
-def delta_streams(delta_dir: Path) -> dict[str, tuple[str, bytes]]:
-    """tensor -> (checksum, decompressed XOR stream) of a delta folder."""
-    import zstandard
-
+def delta_frames(delta_dir: Path) -> dict[str, tuple[str, Path, int, int]]:
+    """tensor -> (checksum, shard, offset, length) of each frame of a delta folder."""
     index = json.loads((delta_dir / "model.safetensors.index.json").read_text())
     out = {}
     for fname in sorted(set(index["weight_map"].values())):
         header = read_header(delta_dir / fname)
-        with open(delta_dir / fname, "rb") as f:
-            for name, info in header.tensors.items():
-                frame = os.pread(f.fileno(), info.nbytes, info.offset)
-                out[name] = (header.metadata[name], zstandard.ZstdDecompressor().decompress(frame))
+        for name, info in header.tensors.items():
+            out[name] = (header.metadata[name], delta_dir / fname, info.offset, info.nbytes)
     return out
 
 
+def xor_stream(frame: tuple[str, Path, int, int], piece: int = 1 << 20):
+    """The decompressed XOR stream of one frame, in pieces: this process must stay small, since a
+    child's peak RSS counts the pages it inherited at fork."""
+    import zstandard
+
+    _, path, offset, length = frame
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), length, offset)
+    with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as r:
+        while chunk := r.read(piece):
+            yield chunk
+
+
 def compare_deltas(ref: Path, other: Path) -> str:
-    a, b = delta_streams(ref), delta_streams(other)
+    """Whether two deltas hold the same tensors, checksums and decompressed XOR streams."""
+    a, b = delta_frames(ref), delta_frames(other)
     if a.keys() != b.keys():
         return f"tensor sets differ ({len(a)} vs {len(b)})"
-    bad = [n for n in a if a[n] != b[n]]
-    return "identical" if not bad else f"{len(bad)} tensors differ, e.g. {bad[0]}"
+    for name in sorted(a):
+        if a[name][0] != b[name][0]:
+            return f"checksums of {name} differ"
+        sa, sb = xor_stream(a[name]), xor_stream(b[name])
+        buf_a = buf_b = b""
+        while True:
+            if not buf_a:
+                buf_a = next(sa, b"")
+            if not buf_b:
+                buf_b = next(sb, b"")
+            if not buf_a or not buf_b:
+                if buf_a or buf_b:
+                    return f"XOR stream of {name} has another length"
+                break
+            n = min(len(buf_a), len(buf_b))
+            if buf_a[:n] != buf_b[:n]:
+                return f"XOR stream of {name} differs"
+            buf_a, buf_b = buf_a[n:], buf_b[n:]
+    return "identical"
 
 
 def loadavg() -> str:
