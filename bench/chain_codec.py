@@ -34,8 +34,8 @@ from posttrain.chain.safetensors_io import read_header  # noqa: E402
 from posttrain.testing.synthetic import dir_size  # noqa: E402
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of a command run in its own process."""
+def run(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system) of a command run in its own process."""
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
@@ -44,7 +44,7 @@ def run(cmd: list[str]) -> tuple[float, float]:
         if os.waitstatus_to_exitcode(status) != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode()}")
-    return secs, usage.ru_maxrss / 1024
+    return secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def make_pair(data: Path, gib: float, lr: float) -> tuple[Path, Path]:
@@ -165,6 +165,7 @@ def main() -> None:
                                                      str(new), str(base), str(w / "delta")]
         times: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
         rss: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
+        cpu: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
         load_before = loadavg()
         for _ in range(args.repeat):
             for key, make_cmd in cmds.items():  # alternated: one run of each per round
@@ -172,9 +173,10 @@ def main() -> None:
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
                 os.sync()  # start each run with no writeback left over from the one before
-                secs, peak = run(make_cmd(work))
+                secs, peak, cpu_s = run(make_cmd(work))
                 times[key].append(secs)
                 rss[key].append(peak)
+                cpu[key].append(cpu_s)
         load_after = loadavg()
         pt_delta = args.data / "work-encode-posttrain" / "chain" / "new"
         shares = {"posttrain": dir_size(pt_delta) / raw, "naive": dir_size(args.data / "work-encode-naive" / "delta") / raw}
@@ -192,13 +194,14 @@ def main() -> None:
             s = med[(op, codec)]
             naive = med[(op, "naive")]
             rows.append(dict(lr=lr, op=op, codec=codec, seconds=s, runs=times[(op, codec)], gbs=raw / 1e9 / s,
+                             cpu=statistics.median(cpu[(op, codec)]),
                              rss=max(rss[(op, codec)]), share=shares.get(codec) if op == "encode" else None,
                              vs_naive=naive / s, vs_axolotl=ax / s if ax else None, load=f"{load_before} -> {load_after}"))
     print()
     print(f"checkpoint: {raw / (1 << 30):.2f} GiB of tensors, {os.cpu_count()} cores; medians of {args.repeat} "
-          f"alternated whole-process runs; RSS budget 0.25 x checkpoint + 300 MiB = {0.25 * raw / (1 << 20) + 300:.0f} MiB")
+          f"alternated whole-process runs (CPU s: user + system, median); RSS budget 0.25 x checkpoint + 300 MiB = {0.25 * raw / (1 << 20) + 300:.0f} MiB")
     hdr = (f"| {'lr':>6} | {'op':6} | {'codec':9} | {'median s':>8} | {'runs s':>17} | {'GB/s':>5} | "
-           f"{'peak RSS MiB':>12} | {'delta % of full':>15} | {'x naive':>7} | {'x Axolotl enc':>13} |")
+           f"{'CPU s':>5} | {'peak RSS MiB':>12} | {'delta % of full':>15} | {'x naive':>7} | {'x Axolotl enc':>13} |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
     for r in rows:
@@ -206,7 +209,7 @@ def main() -> None:
         runs = " ".join(f"{x:.2f}" for x in r["runs"])
         vs_ax = f"{r['vs_axolotl']:.2f}x" if r["vs_axolotl"] else "-"
         print(f"| {r['lr']:>6g} | {r['op']:6} | {r['codec']:9} | {r['seconds']:8.2f} | {runs:>17} | {r['gbs']:5.2f} | "
-              f"{r['rss']:12.0f} | {sh:>15} | {r['vs_naive']:6.2f}x | {vs_ax:>13} |")
+              f"{r['cpu']:5.2f} | {r['rss']:12.0f} | {sh:>15} | {r['vs_naive']:6.2f}x | {vs_ax:>13} |")
     for lr in args.lr:
         print(f"lr {lr:g}: load average (1/5/15 min) {next(r['load'] for r in rows if r['lr'] == lr)}")
     for lr, codec, verdict in checks:
