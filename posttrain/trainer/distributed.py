@@ -54,8 +54,10 @@ def backend(use_cpu: bool) -> str:
 
 
 def describe(r: Ranks, backend_name: str) -> str:
+    node = os.environ.get("SLURMD_NODENAME")
+    where = socket.gethostname() + (f" (Slurm node {node})" if node else "")
     return (f"distributed: rank {r.rank} of world size {r.world_size} (node rank {r.node_rank}, local rank "
-            f"{r.local_rank}) on {socket.gethostname()}, backend {backend_name}, "
+            f"{r.local_rank}) on {where}, backend {backend_name}, "
             f"rendezvous {os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}")
 
 
