@@ -19,8 +19,6 @@ from posttrain.rollouts.format import write_rollouts
 from posttrain.testing.sampler import sample_rollouts
 from posttrain.trainer.checkpoints import complete_checkpoints
 
-pytestmark = pytest.mark.slow
-
 AUDIT = Path(__file__).with_name("audited_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,6 +44,7 @@ def _torchrun(tmp_path: Path, config: dict, nproc: int, watched: Path) -> tuple[
     return done.stdout + done.stderr, writes
 
 
+@pytest.mark.slow
 def test_grpo_on_two_ranks_rank0_writes_every_checkpoint_file(tiny_model_dir, staged_toy, tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = dict(mode="grpo", model_name_or_path=str(tiny_model_dir), output_dir=str(out),
@@ -66,6 +65,7 @@ def test_grpo_on_two_ranks_rank0_writes_every_checkpoint_file(tiny_model_dir, st
     assert [(r["global_step"], r["completed"]) for r in results] == [(2, True)]  # one line: rank 0's
 
 
+@pytest.mark.slow
 def test_step_on_two_ranks_is_the_one_process_update(tiny_model_dir, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
@@ -93,3 +93,23 @@ def test_step_on_two_ranks_is_the_one_process_update(tiny_model_dir, tmp_path: P
         torch.testing.assert_close(weights[2][name], tensor, rtol=1e-5, atol=1e-6)
         changed |= not torch.equal(tensor, load_file(str(tiny_model_dir / "model.safetensors"))[name])
     assert changed
+
+
+def test_backend_and_ranks_come_from_the_launcher(monkeypatch) -> None:
+    """Same settings on CPU and GPU: nccl when a GPU is there (and use_cpu is off), else gloo."""
+    import torch
+
+    from posttrain.trainer import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (distributed.backend(False), distributed.backend(True)) == ("nccl", "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.backend(False) == "gloo"
+    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1", "SLURMD_NODENAME": "n2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(k, v)
+    r = distributed.ranks()
+    assert (r.rank, r.world_size, r.local_rank, r.node_rank, r.is_main) == (3, 4, 1, 1, False)
+    text = distributed.describe(r, "nccl")
+    assert text.startswith("distributed: rank 3 of world size 4 (node rank 1, local rank 1) on ")
+    assert "(Slurm node n2), backend nccl, rendezvous 127.0.0.1:29611" in text
