@@ -169,3 +169,44 @@ def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_job
     steps = [json.loads((c.path / "trainer_state.json").read_text())["global_step"] for c in complete_checkpoints(out)]
     assert steps == [c.step for c in complete_checkpoints(out)] and steps[-1] == 6
     print(f"both nodes stopped {stopped_s:.1f} s after the requeue; resumed from checkpoint-{last.step}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("slurm_cluster_2nodes")
+def test_step_mode_on_two_slurm_nodes_is_the_one_process_update(shared: Path, slurm_jobs: list,
+                                                                 tmp_path: Path) -> None:
+    """mode: step on external rollouts across both nodes: each rank takes half the micro-batches,
+    gradients are summed over gloo; the update equals one process's, written once by rank 0."""
+    import torch
+    from safetensors.torch import load_file
+
+    from posttrain.datasets.toy import toy_prompt_rows
+    from posttrain.rewards import length_reward
+    from posttrain.rollouts.format import write_rollouts
+    from posttrain.testing.sampler import sample_rollouts
+    from posttrain.trainer import TrainerConfig, run_training
+
+    rollouts = sample_rollouts(shared / "model", toy_prompt_rows(4), group_size=4, max_new_tokens=8,
+                               reward_func=length_reward)  # fmt: skip
+    path = write_rollouts(shared / "rollouts-2nodes.jsonl", rollouts)
+    trainer = {"mode": "step", "model_name_or_path": str(shared / "model"), "rollouts": str(path),
+               "learning_rate": 1e-3, "per_device_train_batch_size": 4, "num_iterations": 2, "use_cpu": True}
+    settings = {"name": "step-2nodes", "backend": "slurm", "cluster": two_node_cluster(shared),
+                "trainer": {**trainer, "output_dir": str(shared / "step-2nodes")}}  # fmt: skip
+    runs: list[TrainingRun] = []
+
+    def submitted(run: TrainingRun) -> None:
+        runs.append(run)
+        slurm_jobs.append(run.handle)
+
+    steps = [i.step for i in run_and_watch(parse_training_settings(settings), on_submit=submitted,
+                                           cursor_path=tmp_path / "c.json", poll_interval=0.3)]
+    (run,) = runs
+    assert steps == [2] and run.state() == JobState.COMPLETED
+    assert_one_rank_per_node(run)
+    (result,) = run.results()
+    assert (result.global_step, result.policy_version, result.completed) == (2, 1, True)
+    single = run_training(TrainerConfig(**trainer, output_dir=str(tmp_path / "single")))
+    two = load_file(str(shared / "step-2nodes" / "checkpoint-2" / "model.safetensors"))
+    for name, tensor in load_file(str(single.checkpoint / "model.safetensors")).items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-5, atol=1e-6)
