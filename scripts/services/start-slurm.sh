@@ -71,6 +71,12 @@ fi
 
 # Another Slurm on our ports (not started from this folder) would answer our
 # clients and fight over /etc/slurm: refuse instead of rewriting its config.
+# A single slurmd from an older start of this folder (slurmd.pid, before nodes had names n1..nN):
+# ours, and in the way of n1's port; stop it (slurmctld restarts below as slurm.conf changes).
+if pid_alive "$RUN/slurmd.pid" slurmd; then
+  log "stopping the single-node slurmd of an earlier start"
+  stop_pidfile slurmd "$RUN/slurmd.pid" slurmd >/dev/null
+fi
 node_port() { if [ "$1" = 1 ]; then echo "$SLURMD_PORT"; else echo $((CTLD_PORT + 3 + $1)); fi; }
 checks=("slurmctld $CTLD_PORT slurmctld" "slurmdbd $DBD_PORT slurmdbd" "mariadbd $DB_PORT mariadbd")
 for i in $(seq "$NODES"); do checks+=("slurmd $(node_port "$i") slurmd.n$i"); done
