@@ -1,10 +1,14 @@
-"""Benchmark: posttrain's chain codec against the naive producer, in the same run.
+"""Benchmark: posttrain's chain codec against Axolotl 0.21's encoder and the naive producer, in one run.
 
 Builds a realistic checkpoint pair (>= 1 GiB of bf16 weights plus small fp32/int64 tensors, one
-Adam-like step at each learning rate), then runs every encode and apply in a fresh process and
-prints wall time, throughput, peak RSS and delta size as a share of the full checkpoint.
+Adam-like step at each learning rate), then runs every encode and apply as a whole process,
+alternating the codecs round by round, and prints the median wall time, peak RSS, delta size as
+a share of the full checkpoint, and ratios against Axolotl's encoder measured in the same run.
+Axolotl's wheel is fetched with pip (``--no-deps``) into the data folder and its encoder module
+is imported from it (``bench/axolotl_encoder.py``); without the wheel its rows are skipped.
+The decompressed deltas of all encoders are compared byte for byte.
 
-    .venv/bin/python bench/chain_codec.py [--gib 1.0] [--lr 1e-6 1e-5] [--data bench/.data]
+    .venv/bin/python bench/chain_codec.py [--gib 1.0] [--lr 1e-6 1e-5] [--repeat 3] [--data bench/.data]
 """
 
 from __future__ import annotations
@@ -13,27 +17,34 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import axolotl_encoder  # noqa: E402
+
+from posttrain.chain.safetensors_io import read_header  # noqa: E402
 from posttrain.testing.synthetic import dir_size  # noqa: E402
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of a command run in its own process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    secs = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode()}")
-    return secs, usage.ru_maxrss / 1024
+def run(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system) of a command run in its own process."""
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        secs = time.perf_counter() - t0
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode()}")
+    return secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def make_pair(data: Path, gib: float, lr: float) -> tuple[Path, Path]:
@@ -51,68 +62,161 @@ def make_pair(data: Path, gib: float, lr: float) -> tuple[Path, Path]:
     return d / "base", d / "new"
 
 
+def delta_frames(delta_dir: Path) -> dict[str, tuple[str, Path, int, int]]:
+    """tensor -> (checksum, shard, offset, length) of each frame of a delta folder."""
+    index = json.loads((delta_dir / "model.safetensors.index.json").read_text())
+    out = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        header = read_header(delta_dir / fname)
+        for name, info in header.tensors.items():
+            out[name] = (header.metadata[name], delta_dir / fname, info.offset, info.nbytes)
+    return out
+
+
+def xor_stream(frame: tuple[str, Path, int, int], piece: int = 1 << 20):
+    """The decompressed XOR stream of one frame, in pieces: this process must stay small, since a
+    child's peak RSS counts the pages it inherited at fork."""
+    import zstandard
+
+    _, path, offset, length = frame
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), length, offset)
+    with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as r:
+        while chunk := r.read(piece):
+            yield chunk
+
+
+def compare_deltas(ref: Path, other: Path) -> str:
+    """Whether two deltas hold the same tensors, checksums and decompressed XOR streams."""
+    a, b = delta_frames(ref), delta_frames(other)
+    if a.keys() != b.keys():
+        return f"tensor sets differ ({len(a)} vs {len(b)})"
+    for name in sorted(a):
+        if a[name][0] != b[name][0]:
+            return f"checksums of {name} differ"
+        sa, sb = xor_stream(a[name]), xor_stream(b[name])
+        buf_a = buf_b = b""
+        while True:
+            if not buf_a:
+                buf_a = next(sa, b"")
+            if not buf_b:
+                buf_b = next(sb, b"")
+            if not buf_a or not buf_b:
+                if buf_a or buf_b:
+                    return f"XOR stream of {name} has another length"
+                break
+            n = min(len(buf_a), len(buf_b))
+            if buf_a[:n] != buf_b[:n]:
+                return f"XOR stream of {name} differs"
+            buf_a, buf_b = buf_a[n:], buf_b[n:]
+    return "identical"
+
+
+def loadavg() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
     ap.add_argument("--data", type=Path, default=ROOT / "bench" / ".data")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest is kept")
+    ap.add_argument("--repeat", type=int, default=3, help="alternated rounds; the median is kept")
+    ap.add_argument("--no-axolotl", action="store_true", help="do not fetch or run Axolotl's encoder")
     args = ap.parse_args()
     py = sys.executable
-    rows = []
+    wheel = None if args.no_axolotl else axolotl_encoder.fetch(args.data / "axolotl")
+    if not isinstance(wheel, Path):
+        print(f"Axolotl 0.21 encoder skipped: {'--no-axolotl' if args.no_axolotl else wheel}")
+        wheel = None
+    try:
+        import zlib_ng  # noqa: F401
+    except ImportError:
+        print("note: zlib-ng is not installed here; posttrain's adler32 falls back to zlib (slower)")
+    rows, checks = [], []
     for lr in args.lr:
         base, new = make_pair(args.data, args.gib, lr)
         raw = sum(p.stat().st_size for p in new.glob("*.safetensors"))
-        work = args.data / "work"
-
-        def measure(kind: str, make_cmd) -> tuple[float, float, Path]:
-            best = (float("inf"), 0.0)
-            for _ in range(args.repeat):
-                shutil.rmtree(work, ignore_errors=True)
-                work.mkdir(parents=True)
-                secs, rss = run(make_cmd(work))
-                best = min(best, (secs, rss))
-            out = args.data / f"out-{kind}"
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.move(work, out)
-            return best[0], best[1], out
-
-        # posttrain: a full snapshot of the base, then the delta, both into one chain
+        # posttrain's apply reads a chain: a full snapshot of the base, then the delta
         chain = args.data / "chain"
         shutil.rmtree(chain, ignore_errors=True)
         subprocess.run([py, "-m", "posttrain", "chain", "encode", str(base), "--out", str(chain),
                         "--identity", "base"], check=True, stdout=subprocess.DEVNULL)
-        pt_s, pt_rss, pt_out = measure("posttrain-encode", lambda w: [
-            py, "-m", "posttrain", "chain", "encode", str(new), "--out", str(w / "chain"),
-            "--base", str(base), "--base-identity", "base", "--identity", "new"])
-        delta_dir = pt_out / "chain" / "new"
-        shutil.rmtree(chain / "new", ignore_errors=True)
-        shutil.copytree(delta_dir, chain / "new")
-        nv_s, nv_rss, nv_out = measure("naive-encode", lambda w: [
-            py, str(ROOT / "bench" / "naive_codec.py"), "encode", str(new), str(base), str(w / "delta")])
-        pa_s, pa_rss, _ = measure("posttrain-apply", lambda w: [
-            py, "-m", "posttrain", "chain", "apply", str(chain), "--version", "new", "--out", str(w / "rec")])
-        na_s, na_rss, _ = measure("naive-apply", lambda w: [
-            py, str(ROOT / "bench" / "naive_codec.py"), "apply", str(base), str(nv_out / "delta"), str(w / "rec")])
-        pt_share = dir_size(delta_dir) / raw
-        nv_share = dir_size(nv_out / "delta") / raw
-        gbs = raw / 1e9
-        rows += [
-            (lr, "encode", "naive", nv_s, gbs / nv_s, nv_rss, nv_share, 1.0),
-            (lr, "encode", "posttrain", pt_s, gbs / pt_s, pt_rss, pt_share, nv_s / pt_s),
-            (lr, "apply", "naive", na_s, gbs / na_s, na_rss, None, 1.0),
-            (lr, "apply", "posttrain", pa_s, gbs / pa_s, pa_rss, None, na_s / pa_s),
-        ]
+        subprocess.run([py, "-m", "posttrain", "chain", "encode", str(new), "--out", str(chain), "--base",
+                        str(base), "--base-identity", "base", "--identity", "new"], check=True,
+                       stdout=subprocess.DEVNULL)
+        naive_delta = args.data / "naive-delta"
+        shutil.rmtree(naive_delta, ignore_errors=True)
+        subprocess.run([py, str(ROOT / "bench" / "naive_codec.py"), "encode", str(new), str(base), str(naive_delta)],
+                       check=True)
+        cmds = {
+            ("encode", "posttrain"): lambda w: [py, "-m", "posttrain", "chain", "encode", str(new), "--out",
+                                                str(w / "chain"), "--base", str(base), "--base-identity", "base",
+                                                "--identity", "new"],
+            ("encode", "naive"): lambda w: [py, str(ROOT / "bench" / "naive_codec.py"), "encode", str(new),
+                                            str(base), str(w / "delta")],
+            ("apply", "posttrain"): lambda w: [py, "-m", "posttrain", "chain", "apply", str(chain), "--version",
+                                               "new", "--out", str(w / "rec")],
+            ("apply", "naive"): lambda w: [py, str(ROOT / "bench" / "naive_codec.py"), "apply", str(base),
+                                           str(naive_delta), str(w / "rec")],
+        }
+        if wheel is not None:
+            cmds[("encode", "axolotl")] = lambda w: [py, str(ROOT / "bench" / "axolotl_encoder.py"), str(wheel),
+                                                     str(new), str(base), str(w / "delta")]
+        times: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
+        rss: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
+        cpu: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
+        load_before = loadavg()
+        for _ in range(args.repeat):
+            for key, make_cmd in cmds.items():  # alternated: one run of each per round
+                work = args.data / f"work-{key[0]}-{key[1]}"
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+                os.sync()  # start each run with no writeback left over from the one before
+                secs, peak, cpu_s = run(make_cmd(work))
+                times[key].append(secs)
+                rss[key].append(peak)
+                cpu[key].append(cpu_s)
+        load_after = loadavg()
+        pt_delta = args.data / "work-encode-posttrain" / "chain" / "new"
+        shares = {"posttrain": dir_size(pt_delta) / raw, "naive": dir_size(args.data / "work-encode-naive" / "delta") / raw}
+        checks.append((lr, "naive", compare_deltas(args.data / "work-encode-naive" / "delta", pt_delta)))
+        if wheel is not None:
+            ax_delta = args.data / "work-encode-axolotl" / "delta"
+            shares["axolotl"] = dir_size(ax_delta) / raw
+            checks.append((lr, "axolotl", compare_deltas(ax_delta, pt_delta)))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ax = med.get(("encode", "axolotl"))
+        for op, codec in [("encode", "axolotl"), ("encode", "naive"), ("encode", "posttrain"), ("apply", "naive"),
+                          ("apply", "posttrain")]:
+            if (op, codec) not in med:
+                continue
+            s = med[(op, codec)]
+            naive = med[(op, "naive")]
+            rows.append(dict(lr=lr, op=op, codec=codec, seconds=s, runs=times[(op, codec)], gbs=raw / 1e9 / s,
+                             cpu=statistics.median(cpu[(op, codec)]),
+                             rss=max(rss[(op, codec)]), share=shares.get(codec) if op == "encode" else None,
+                             vs_naive=naive / s, vs_axolotl=ax / s if ax else None, load=f"{load_before} -> {load_after}"))
     print()
-    print(f"checkpoint: {raw / (1 << 30):.2f} GiB of tensors, {os.cpu_count()} cores; "
-          f"RSS budget 0.25 x checkpoint + 300 MB = {0.25 * raw / (1 << 20) + 300:.0f} MiB")
-    hdr = f"| {'lr':>6} | {'op':6} | {'codec':9} | {'seconds':>7} | {'GB/s':>5} | {'peak RSS MiB':>12} | {'delta % of full':>15} | {'speedup':>7} |"
+    print(f"checkpoint: {raw / (1 << 30):.2f} GiB of tensors, {os.cpu_count()} cores; medians of {args.repeat} "
+          f"alternated whole-process runs (CPU s: user + system, median); RSS budget 0.25 x checkpoint + 300 MiB = {0.25 * raw / (1 << 20) + 300:.0f} MiB")
+    hdr = (f"| {'lr':>6} | {'op':6} | {'codec':9} | {'median s':>8} | {'runs s':>17} | {'GB/s':>5} | "
+           f"{'CPU s':>5} | {'peak RSS MiB':>12} | {'delta % of full':>15} | {'x naive':>7} | {'x Axolotl enc':>13} |")
     print(hdr)
-    print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
-    for lr, op, codec, s, tp, rss, share, sp in rows:
-        sh = f"{100 * share:.2f}" if share is not None else "-"
-        print(f"| {lr:>6g} | {op:6} | {codec:9} | {s:7.2f} | {tp:5.2f} | {rss:12.0f} | {sh:>15} | {sp:6.2f}x |")
-    print(json.dumps({"rows": rows}), file=sys.stderr)
+    print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
+    for r in rows:
+        sh = f"{100 * r['share']:.2f}" if r["share"] is not None else "-"
+        runs = " ".join(f"{x:.2f}" for x in r["runs"])
+        vs_ax = f"{r['vs_axolotl']:.2f}x" if r["vs_axolotl"] else "-"
+        print(f"| {r['lr']:>6g} | {r['op']:6} | {r['codec']:9} | {r['seconds']:8.2f} | {runs:>17} | {r['gbs']:5.2f} | "
+              f"{r['cpu']:5.2f} | {r['rss']:12.0f} | {sh:>15} | {r['vs_naive']:6.2f}x | {vs_ax:>13} |")
+    for lr in args.lr:
+        print(f"lr {lr:g}: load average (1/5/15 min) {next(r['load'] for r in rows if r['lr'] == lr)}")
+    for lr, codec, verdict in checks:
+        print(f"lr {lr:g}: posttrain's delta vs {codec}'s, decompressed, with checksums: {verdict}")
+    print(json.dumps({"rows": rows, "checks": checks}), file=sys.stderr)
+    if any(v != "identical" for _, _, v in checks):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

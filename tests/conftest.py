@@ -17,7 +17,7 @@ pytest_plugins = [
 ]
 
 # Fixtures that reach a service the test command starts (or that start one themselves).
-SERVICE_FIXTURES = {"slurm_cluster", "seaweedfs_endpoint", "seaweedfs_bucket", "prefect_api"}
+SERVICE_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "seaweedfs_endpoint", "seaweedfs_bucket", "prefect_api"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,6 +8,7 @@ written to the output shards, or discarded when only verifying.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import zstandard
 
 from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, ChunkReader, check_tensor_digest
 from posttrain.chain.encode import (
+    SLICE_BYTES,
     Progress,
     _pwrite_all,
     _run_parallel,
@@ -30,7 +32,7 @@ from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
-from posttrain.fsutil import atomic_write
+from posttrain.fsutil import atomic_write, write_behind
 
 
 class _FrameSlice:
@@ -49,8 +51,8 @@ class _FrameSlice:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.reader = ChunkReader()
-        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
-        self.xor = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        self.scratch = np.empty(SLICE_BYTES, dtype=np.uint8)
+        self.xor = np.empty(SLICE_BYTES, dtype=np.uint8)
 
 
 @dataclass
@@ -111,7 +113,7 @@ def apply_chain(
             digest = _apply_tensor(info, chain, target, local, frame_fd, progress, base.expected.get(name))
             return name, digest
 
-        order = sorted(base.tensors, key=lambda n: -base.tensors[n].nbytes)
+        order = _interleave_files(base)
         digests = dict(_run_parallel(run, order, workers or default_workers()))
         if durable:
             for fd in out_fds:
@@ -122,6 +124,15 @@ def apply_chain(
         for fd in fds.values():
             os.close(fd)
     return Applied({n: digests[n] for n in base.tensors}, base.total_bytes)
+
+
+def _interleave_files(base: Checkpoint) -> list[str]:
+    """Largest tensors first, taking turns between files: threads writing different files do not
+    queue on one file's lock (a buffered write holds its inode's lock while it copies)."""
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(base.tensors, key=lambda n: -base.tensors[n].nbytes):
+        by_file.setdefault(base.tensors[name].path.name, []).append(name)
+    return [n for turn in itertools.zip_longest(*by_file.values()) for n in turn if n is not None]
 
 
 def _apply_tensor(
@@ -145,19 +156,23 @@ def _apply_tensor(
     try:
         for chunk in local.reader.chunks(info):
             m = len(chunk)
-            work = chunk  # read-only window until the first delta writes into scratch
             if base_digest is not digest:
                 base_digest.update(chunk)
-            for delta, entry, reader, checksum in streams:
-                xor = local.xor[:m]
-                _read_exact(reader, xor, delta, entry, info)
-                out = local.scratch[:m]
-                np.bitwise_xor(work, xor, out=out)
-                work = out
-                checksum.update(work)
-            digest.update(work)
+            for start in range(0, m, SLICE_BYTES):  # slices stay in cache from XOR to write
+                work = chunk[start : start + SLICE_BYTES]  # read-only until a delta writes into scratch
+                k = len(work)
+                for delta, entry, reader, checksum in streams:
+                    xor = local.xor[:k]
+                    _read_exact(reader, xor, delta, entry, info)
+                    out = local.scratch[:k]
+                    np.bitwise_xor(work, xor, out=out)
+                    work = out
+                    checksum.update(work)
+                digest.update(work)
+                if target is not None:
+                    _pwrite_all(target[0], work, target[1] + pos + start)
             if target is not None:
-                _pwrite_all(target[0], work, target[1] + pos)
+                write_behind(target[0], target[1] + pos, m)
             pos += m
             if progress:
                 progress(m)

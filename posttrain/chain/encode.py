@@ -21,7 +21,6 @@ import xxhash
 import zstandard
 
 from posttrain.chain.checkpoint import (
-    CHUNK_BYTES,
     INDEX_NAME,
     Checkpoint,
     ChunkReader,
@@ -31,9 +30,19 @@ from posttrain.chain.checkpoint import (
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
-from posttrain.fsutil import atomic_write
+from posttrain.fsutil import atomic_write, write_behind
 
-ZSTD_LEVEL = 1
+# zstd level 1's fast strategy with a 128 KiB window instead of its 512 KiB one: on the XOR streams of
+# bf16 optimizer steps (short zero runs between changed low bytes) frames come out ~7% smaller and
+# ~10% faster. Any zstd decoder reads them; the decompressed stream is what the format fixes.
+ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    window_log=17, chain_log=12, hash_log=12, search_log=1, min_match=6, target_length=0,
+    strategy=zstandard.STRATEGY_FAST, write_content_size=True, write_checksum=False)
+# Each mapped window is worked through in slices this size, so that every step after the first
+# touch (checksums, XOR, zero count, zstd) reads from cache rather than memory.
+SLICE_BYTES = 1 << 20
+_ZEROS = np.zeros(SLICE_BYTES, dtype=np.uint8)
+_ZEROS.flags.writeable = False
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 
 Progress = Callable[[int], None]
@@ -92,7 +101,7 @@ class _Buffers(threading.local):
     def __init__(self) -> None:
         self.new = ChunkReader()
         self.base = ChunkReader()
-        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        self.scratch = np.empty(SLICE_BYTES, dtype=np.uint8)
 
 
 def _pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
@@ -173,6 +182,7 @@ def write_full(
             for chunk in local.new.chunks(info):
                 digest.update(chunk)
                 _pwrite_all(fd, chunk, offset + pos)
+                write_behind(fd, offset + pos, len(chunk))
                 pos += len(chunk)
                 if progress:
                     progress(len(chunk))
@@ -269,40 +279,68 @@ def _encode_tensor(
     expected_base: dict[str, str] | None,
     recorded: tuple[str | None, str | None] = (None, None),
 ) -> TensorResult:
-    """``recorded``: the xxh3-128 the new and the base bytes must have (their checksums files)."""
+    """One fused pass per window: checksums, XOR, zero count and zstd on each slice while it is in cache.
+
+    Zero slices are held back (counted, not compressed) until a changed one follows, so a tensor
+    that did not change never reaches zstd and leaves no spool file. ``recorded``: the xxh3-128 the
+    new and the base bytes must have (their checksums files).
+    """
     checksum = new_checksum(fmt)
     digest = xxhash.xxh3_128()
     base_digest = xxhash.xxh3_128() if expected_base is not None or recorded[1] is not None else None
     spool = spool_dir / f"{threading.get_ident()}-{xxhash.xxh64_hexdigest(info.name.encode())}.zst"
     changed = 0
+    pending = 0  # zero bytes of the XOR stream not yet given to zstd
     scratch = local.scratch
-    with open(spool, "wb") as f:
-        writer = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(f, size=info.nbytes, closefd=False)
+    f = writer = None
+    size = 0
+    try:
         for cur, old in zip(local.new.chunks(info), local.base.chunks(binfo), strict=True):
-            checksum.update(cur)
-            digest.update(cur)
-            if base_digest is not None:
-                base_digest.update(old)
-            xor = scratch[: len(cur)]
-            np.bitwise_xor(cur, old, out=xor)
-            changed += int(np.count_nonzero(xor))
-            writer.write(xor)
+            for start in range(0, len(cur), SLICE_BYTES):
+                c, o = cur[start : start + SLICE_BYTES], old[start : start + SLICE_BYTES]
+                checksum.update(c)
+                digest.update(c)
+                if base_digest is not None:
+                    base_digest.update(o)
+                xor = scratch[: len(c)]
+                np.bitwise_xor(c, o, out=xor)
+                nz = int(np.count_nonzero(xor))
+                if nz == 0:
+                    pending += len(c)
+                    continue
+                changed += nz
+                if writer is None:
+                    f = open(spool, "wb")  # noqa: SIM115 - closed in finally
+                    cctx = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS)
+                    writer = cctx.stream_writer(f, size=info.nbytes, closefd=False)
+                pending = _write_zeros(writer, pending)
+                writer.write(xor)
             if progress:
                 progress(len(cur))
             del cur, old
-        writer.flush(zstandard.FLUSH_FRAME)
-        size = f.tell()
+        if writer is not None:
+            _write_zeros(writer, pending)
+            writer.flush(zstandard.FLUSH_FRAME)
+            size = f.tell()
+    finally:
+        if f is not None:
+            f.close()
     check_tensor_digest(info, digest.hexdigest(), recorded[0])
     if base_digest is not None:
         check_tensor_digest(binfo, base_digest.hexdigest(), recorded[1])
-    result = TensorResult(info.name, info.nbytes, digest.hexdigest(), checksum.hexdigest(), changed, size, spool)
+    result = TensorResult(info.name, info.nbytes, digest.hexdigest(), checksum.hexdigest(), changed, size,
+                          spool if writer is not None else None)
     if base_digest is not None and expected_base is not None and expected_base.get(info.name) != base_digest.hexdigest():
         result.base_matches = False
-    if changed == 0:
-        spool.unlink()
-        result.spool = None
-        result.compressed_bytes = 0
     return result
+
+
+def _write_zeros(writer, n: int) -> int:
+    while n:
+        k = min(n, len(_ZEROS))
+        writer.write(_ZEROS[:k])
+        n -= k
+    return 0
 
 
 def _assemble_shard(path: Path, tensors: list[TensorResult], durable: bool) -> int:

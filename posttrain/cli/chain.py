@@ -98,7 +98,18 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]
         yield lambda n: bar.advance(task, n)
 
 
+def codec_process() -> None:
+    """Before numpy loads: one OpenBLAS thread. The codec makes no BLAS calls, and OpenBLAS's idle
+    helper threads spin for a while after import, taking cores from the codec's own threads."""
+    import os
+    import sys
+
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def cmd_encode(args: argparse.Namespace) -> int:
+    codec_process()
     from posttrain.chain.checkpoint import Checkpoint
     from posttrain.chain.ops import encode_snapshot
 
@@ -119,6 +130,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    codec_process()
     from posttrain.chain.errors import ChecksumMismatch, FormatError
     from posttrain.chain.ops import reconstruct
 
@@ -172,6 +184,7 @@ def _version_bytes(chain: Path, version: str, held: Path | None, boot: Path | No
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    codec_process()
     from posttrain.chain.folder import ChainFolder
     from posttrain.chain.ops import verify_chain
     from posttrain.cli import UsageError

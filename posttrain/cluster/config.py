@@ -32,6 +32,7 @@ PositiveInt = Annotated[int, Field(ge=1)]
 _SSH_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]*$")
 _SLURM_MEMORY = re.compile(r"^[0-9]+[KMGT]?$")
 _SECRET_REF = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)/([-._a-zA-Z0-9]+)$")
+_RDZV_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
@@ -47,6 +48,13 @@ def _launcher_topology(launcher: str, nodes: int) -> None:
             "launcher python starts one process per node and sets up no rendezvous; "
             "use torchrun or accelerate for more than one node"
         )
+
+
+def rdzv_host(value: str | None) -> str | None:
+    """A host name or an IP address for MASTER_ADDR, or None."""
+    if value is not None and not _RDZV_HOST.fullmatch(value):
+        raise ValueError(f"{value!r} is not a host name or IP address")
+    return value
 
 
 def pyxis_image(value: str) -> str:
@@ -165,12 +173,23 @@ class SlurmConfig(_LaunchSettings):
         "(secrets such as HF_TOKEN); env wins over it.",
     )
     master_port: int = Field(default=29500, ge=1024, le=65535, description="Rendezvous port on the first node.")
+    rdzv_host: str | None = Field(
+        default=None,
+        description="Rendezvous address (MASTER_ADDR) every node connects to. Unset: the NodeAddr of the "
+        "allocation's first node, from `scontrol show node` (the address Slurm itself reaches it by), falling "
+        "back to its name; set it when the nodes reach each other by another address (a fabric interface).",
+    )
     max_requeues: int = Field(
         default=3, ge=0, description="Requeues after timeout or preemption (submitit max_num_timeout)."
     )
     signal_delay_s: int = Field(
         default=120, ge=10, description="Seconds before the time limit at which the job is told to checkpoint."
     )
+
+    @field_validator("rdzv_host")
+    @classmethod
+    def _rdzv_host(cls, v: str | None) -> str | None:
+        return rdzv_host(v)
 
     @field_validator("ssh_host")
     @classmethod
@@ -336,6 +355,11 @@ class KubernetesConfig(_LaunchSettings):
         default=None, description="Object storage through workload identity (org_id, region)."
     )
     master_port: int = Field(default=29500, ge=1024, le=65535, description="Rendezvous port on pod 0.")
+    rdzv_host: str | None = Field(
+        default=None,
+        description="Rendezvous address (MASTER_ADDR) every pod connects to. Unset: pod 0's stable name "
+        "through the headless Service, <job>-0.<job>.<namespace>.svc.cluster.local.",
+    )
     ttl_seconds_after_finished: int | None = Field(
         default=86400, ge=0, description="Delete the Job (and, through owner references, its Service and "
         "ConfigMap) this long after it ends; null keeps it."
@@ -354,6 +378,11 @@ class KubernetesConfig(_LaunchSettings):
         if isinstance(data, dict) and "env_file" in data:
             raise ValueError("env_file: a Slurm setting; on Kubernetes pass secrets through secret_env")
         return data
+
+    @field_validator("rdzv_host")
+    @classmethod
+    def _rdzv_host(cls, v: str | None) -> str | None:
+        return rdzv_host(v)
 
     @field_validator("namespace")
     @classmethod

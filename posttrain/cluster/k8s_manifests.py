@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.cluster import checks, job_secrets
+from posttrain.cluster import checks, job_secrets, rendezvous
 from posttrain.cluster.config import K8S_RESERVED_ENV, OBJECT_STORAGE_ENV, RESERVED_PREFIXES, KubernetesConfig
 from posttrain.cluster.errors import ConfigError
 from posttrain.cluster.launch import Topology, launch_line
@@ -39,7 +39,7 @@ def job_name(config: KubernetesConfig, spec: JobSpec) -> str:
 
 
 def master_addr(config: KubernetesConfig, name: str) -> str:
-    return f"{name}-0.{name}.{config.namespace}.svc.cluster.local"
+    return rendezvous.k8s_address(config, name)
 
 
 def check(config: KubernetesConfig, spec: JobSpec) -> JobSpec:
@@ -283,6 +283,8 @@ def render(config: KubernetesConfig, spec: JobSpec) -> str:
         f"#   {kubectl} -n {config.namespace} delete job,service,configmap{',secret' if config.secrets else ''} "
         f"-l {JOB_LABEL}={name}\n"
     )
+    if config.nodes > 1:
+        header += rendezvous.k8s_note(config, name)
     if config.secrets:
         names = " ".join("$" + n for n in sorted(config.secrets))
         header += (

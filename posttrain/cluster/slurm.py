@@ -2,9 +2,9 @@
 
 Layout of a job folder ``<jobs_dir>/<name>-<run_id>/`` on shared storage:
 
-- ``sbatch.sh``: submitit's sbatch script; its setup section exports ``MASTER_ADDR`` (first host of
-  the allocation), ``MASTER_PORT`` and ``POSTTRAIN_JOB_DIR``; srun starts one task per node, in the
-  container when ``image`` is set.
+- ``sbatch.sh``: submitit's sbatch script; its setup section exports ``MASTER_ADDR`` (see
+  ``posttrain.cluster.rendezvous``), ``MASTER_PORT`` and ``POSTTRAIN_JOB_DIR``; srun starts one task per
+  node, in the container when ``image`` is set.
 - ``node.sh``: run by each task (inside the container): sources ``env_file`` and ``secrets.env``,
   then exports ``env`` (so ``env`` wins), runs ``setup_commands`` and execs submitit's Python entry point.
 - ``secrets.env`` (with ``secrets:``): the listed variables' values, read from the submitting
@@ -30,7 +30,7 @@ from typing import Any
 import submitit
 
 from posttrain import redact
-from posttrain.cluster import checks, job_secrets
+from posttrain.cluster import checks, job_secrets, rendezvous
 from posttrain.cluster.command_job import CommandJob
 from posttrain.cluster.config import RESERVED_ENV, SLURM_RESERVED_PREFIXES, SlurmConfig
 from posttrain.cluster.errors import ConfigError, SubmissionError
@@ -163,11 +163,7 @@ class SlurmBackend:
             job_dir, python=python, max_num_timeout=cfg.max_requeues, job_class=self.job_class,
             submit_job=partial(self.stage_and_sbatch, job_dir, dict(files or {})),
         )
-        setup = [
-            "set -euo pipefail",
-            'mapfile -t posttrain_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-            'export MASTER_ADDR="${posttrain_nodes[0]}"',
-            f"export MASTER_PORT={cfg.master_port}",
+        setup = ["set -euo pipefail", *rendezvous.slurm_setup(cfg), f"export MASTER_PORT={cfg.master_port}",
             f"export POSTTRAIN_JOB_DIR={shlex.quote(job_dir)}",
         ]
         srun_args = ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
@@ -217,6 +213,7 @@ class SlurmBackend:
             f"# posttrain dry run: Slurm job {spec.name} (run {spec.run_id}); nothing was submitted.",
             f"# job folder: {job_dir}",
             f"# submit: {submit}",
+            rendezvous.slurm_note(self.config),
             "",
             f"# ---- {job_dir}/{SBATCH_FILE}",
             sbatch.rstrip("\n"),

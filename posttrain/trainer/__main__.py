@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGUSR2):  # Kubernetes eviction, Slurm --signal
         signal.signal(sig, lambda signum, frame: stop.set())
+    from posttrain.trainer import distributed
     from posttrain.trainer.step import StepError  # imports torch, which the run needs anyway
 
     try:
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StagingError, RolloutError, StepError) as e:
         print(f"posttrain.trainer: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        distributed.shutdown()  # leave the process group (several ranks) before exiting
     print(result.model_dump_json(indent=2))
     if args.result_file and int(os.environ.get("RANK", "0")) == 0:
         append_result(args.result_file, result.model_dump_json())

@@ -1,5 +1,11 @@
 """``mode: grpo``: a TRL GRPOTrainer run that resumes from the last complete checkpoint in output_dir.
 
+Launched as several processes (torchrun, one node or many), accelerate makes it data-parallel
+(gloo on CPU, nccl on GPU). Rank 0 alone writes: the Trainer already saves weights, optimizer and
+trainer state on rank 0 only; the per-rank RNG states (``rng_state_<rank>.pth``, for an exact
+resume) are gathered and written by rank 0 too, before its trainer_state.json, so a checkpoint
+is complete exactly once and no other rank touches it.
+
 Imports transformers; ``run_training`` imports this module only when a grpo run starts.
 """
 
@@ -16,6 +22,7 @@ from transformers import TrainerCallback
 
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.rollouts.scoring import load_reward_funcs
+from posttrain.trainer import distributed
 from posttrain.trainer.checkpoints import (
     IncompleteCheckpoint,
     checkpoint_dirs,
@@ -66,7 +73,7 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         config.model_name_or_path, dtype=torch.bfloat16 if config.bf16 else torch.float32
     )
     stopper = StopOnRequest(stop_event)
-    trainer = GRPOTrainer(
+    trainer = rank0_writes(GRPOTrainer)(
         model=model,
         reward_funcs=reward_funcs,
         args=grpo_arguments(config),
@@ -74,6 +81,10 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         processing_class=tokenizer,
         callbacks=[stopper],
     )
+    if trainer.args.world_size > 1:
+        import torch.distributed as dist
+
+        log.info(distributed.describe(distributed.ranks(), dist.get_backend()))
     if resume is not None:
         log.info("resuming from %s", resume.path)
     output = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
@@ -88,6 +99,32 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         stopped_early=stopper.stopped,
         metrics=_final_metrics(output.metrics, trainer.state.log_history),
     )
+
+
+def rank0_writes(trainer_class):
+    """``trainer_class`` whose RNG states are all written by rank 0 (each rank's, gathered)."""
+
+    class Rank0Writes(trainer_class):
+        def _save_rng_state(self, output_dir: str) -> None:
+            import tempfile
+
+            import torch.distributed as dist
+
+            if self.args.world_size <= 1 or not dist.is_initialized():
+                return super()._save_rng_state(output_dir)
+            with tempfile.TemporaryDirectory(prefix="posttrain-rng-") as tmp:  # node-local, this rank's
+                super()._save_rng_state(tmp)
+                name = f"rng_state_{self.args.process_index}.pth"
+                mine = (name, Path(tmp, name).read_bytes())
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                for name, data in gathered:
+                    Path(output_dir, name).write_bytes(data)
+
+    Rank0Writes.__name__ = Rank0Writes.__qualname__ = f"Rank0Writes{trainer_class.__name__}"
+    return Rank0Writes
 
 
 def grpo_arguments(config: TrainerConfig):

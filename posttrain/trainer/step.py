@@ -7,6 +7,10 @@ one version stale, or numerically different). The result is written atomically a
 ``<output_dir>/checkpoint-<step>/``: weights (safetensors), config, tokenizer files,
 ``optimizer.pt`` (AdamW moments carry over to the next step) and ``trainer_state.json``
 (a ``PolicyState``). Re-running the same step finds its checkpoint and does nothing.
+
+Launched as several processes (torchrun, one node or many), each rank takes every world_size-th
+micro-batch and the gradients are summed over ranks before clipping: the same update as one
+process (the loss is normalized by the whole batch's tokens or sequences). Rank 0 alone writes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.rollouts.format import Rollout, RolloutError, load_rollouts
 from posttrain.rollouts.scoring import group_advantages
+from posttrain.trainer import distributed
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.grpo_math import (
@@ -143,7 +148,7 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         )
     advantages = group_advantages([r.reward for r in fresh], [r.group_id for r in fresh], config.scale_rewards)
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not config.use_cpu else "cpu")
+    device = distributed.init(config.use_cpu)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
@@ -159,7 +164,9 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     size = config.per_device_train_batch_size
     batches = [collate(fresh[i : i + size], advantages[i : i + size], pad_id) for i in range(0, len(fresh), size)]
-    metrics = _train(model, ref_model, optimizer, batches, config, stop_event, device)
+    ranks = distributed.ranks()
+    mine = batches[ranks.rank :: ranks.world_size]  # this rank's share; the totals stay the whole batch's
+    metrics = _train(model, ref_model, optimizer, batches, mine, config, stop_event, device)
     if metrics is None:
         return TrainingResult(mode="step", global_step=start_step, completed=False, stopped_early=True, checkpoint=None)
     metrics.update(
@@ -179,7 +186,9 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         metrics=metrics,
         created=datetime.now(UTC),
     )
-    _save_atomically(model, optimizer, model_dir, target, state)
+    if ranks.is_main:
+        _save_atomically(model, optimizer, model_dir, target, state)
+    distributed.barrier()  # every rank returns once the checkpoint exists
     return TrainingResult(
         mode="step",
         global_step=new_step,
@@ -190,10 +199,12 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     )
 
 
-def _train(model, ref_model, optimizer, batches, config, stop_event, device) -> dict[str, float] | None:
-    """``num_iterations`` optimizer steps over all micro-batches; None when stopped before the end."""
+def _train(model, ref_model, optimizer, batches, mine, config, stop_event, device) -> dict[str, float] | None:
+    """``num_iterations`` optimizer steps over all micro-batches (this rank's share ``mine``; gradients
+    and metrics summed over ranks); None when stopped before the end."""
     total_tokens = float(sum(b.mask.sum() for b in batches))
     total_sequences = sum(b.advantages.shape[0] for b in batches)
+    batches = mine
     eps_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
 
     def logps(m, b):
@@ -206,7 +217,7 @@ def _train(model, ref_model, optimizer, batches, config, stop_event, device) -> 
 
     metrics: dict[str, float] = {}
     for _ in range(config.num_iterations):
-        if stop_event.is_set():
+        if distributed.any_rank(stop_event.is_set(), device):
             return None
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "is_weight", "is_capped", "clipped", "old_minus_behaviour"), 0.0)
@@ -242,6 +253,14 @@ def _train(model, ref_model, optimizer, batches, config, stop_event, device) -> 
                 sums["is_capped"] += float(((weights >= config.importance_sampling_cap).float() * mask).sum())
                 sums["clipped"] += float((clipped.float() * mask).sum())
                 sums["old_minus_behaviour"] += float(((old_logps - behaviour) * mask).sum())
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # a rank without a micro-batch still takes part in the sum
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        distributed.all_reduce_sum([p.grad for p in params])
+        totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64, device=device)
+        distributed.all_reduce_sum([totals])
+        sums = dict(zip(sums, totals.tolist(), strict=True))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         tokens = max(total_tokens, 1.0)

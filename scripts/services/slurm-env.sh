@@ -6,6 +6,7 @@ DBD_PORT=$((CTLD_PORT + 2))
 DB_PORT=$((CTLD_PORT + 3))
 CONF_DIR="${POSTTRAIN_SLURM_CONF_DIR:-/etc/slurm}"
 CLUSTER="${POSTTRAIN_SLURM_CLUSTER:-localcluster}"
+NODES="${POSTTRAIN_SLURM_NODES:-2}"
 export SLURM_CONF="$CONF_DIR/slurm.conf"
 DB_DIR="$RUN/db"                 # owned by mysql: data, socket
 DB_SOCK="$DB_DIR/mysqld.sock"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Start a single-node Slurm cluster (Debian's slurm-wlm 22.05) with slurmdbd +
-# MariaDB accounting, without systemd. Needs root. Idempotent: daemons already up
+# Start a Slurm cluster of N nodes on this host (Debian's slurm-wlm 22.05), with
+# slurmdbd + MariaDB accounting, without systemd: one `slurmd -N nX` per node, each
+# with its own Port and NodeAddr=127.0.0.1. Needs root. Idempotent: daemons already up
 # are only re-checked. Prints one "SLURM READY ..." line.
 #
 #   PREEMPT=1                 partition "high" preempts "debug": REQUEUE with GraceTime=30
@@ -13,6 +14,12 @@
 #                             next three ports
 #   POSTTRAIN_SLURM_CONF_DIR  (default /etc/slurm) elsewhere, clients need SLURM_CONF
 #   POSTTRAIN_SLURM_CLUSTER   (default localcluster)
+#   POSTTRAIN_SLURM_NODES     (default 2) nodes n1..nN; each is given the whole host's CPUs
+#                             and memory (SlurmdParameters=config_overrides), so a 1-node
+#                             job sees what the single-node cluster offered. n1 uses the
+#                             slurmd port, nX (X>1) port CTLD_PORT+3+X.
+#
+# cred_expire=10: a requeued job starts again after ~12 s instead of ~122 s.
 #
 # Why slurmdbd: submitit polls `sacct`; without accounting a cancelled or killed
 # job never looks done and job.result() hangs. Stop with stop-slurm.sh.
@@ -48,8 +55,9 @@ fi
 # Daemons from $RUN that run with other ports/config, or state of another
 # cluster, would mix two clusters: refuse rather than half-restart them.
 SETTINGS="ports=$CTLD_PORT-$DB_PORT conf=$CONF_DIR cluster=$CLUSTER"
-for d in slurmctld slurmd slurmdbd mariadbd; do
-  if pid_alive "$RUN/$d.pid" "$d" && [ "$(cat "$RUN/settings" 2>/dev/null)" != "$SETTINGS" ]; then
+for f in "$RUN"/slurmctld.pid "$RUN"/slurmd.*.pid "$RUN"/slurmdbd.pid "$RUN"/mariadbd.pid; do
+  d="$(basename "$f" .pid)"; d="${d%%.*}"
+  if pid_alive "$f" "$d" && [ "$(cat "$RUN/settings" 2>/dev/null)" != "$SETTINGS" ]; then
     log "$d from $RUN runs with other settings ($(cat "$RUN/settings" 2>/dev/null || echo unknown));" \
         "run stop-slurm.sh with those first, or use another POSTTRAIN_SLURM_DIR"
     exit 1
@@ -63,9 +71,18 @@ fi
 
 # Another Slurm on our ports (not started from this folder) would answer our
 # clients and fight over /etc/slurm: refuse instead of rewriting its config.
-for d in "slurmctld $CTLD_PORT" "slurmd $SLURMD_PORT" "slurmdbd $DBD_PORT" "mariadbd $DB_PORT"; do
+# A single slurmd from an older start of this folder (slurmd.pid, before nodes had names n1..nN):
+# ours, and in the way of n1's port; stop it (slurmctld restarts below as slurm.conf changes).
+if pid_alive "$RUN/slurmd.pid" slurmd; then
+  log "stopping the single-node slurmd of an earlier start"
+  stop_pidfile slurmd "$RUN/slurmd.pid" slurmd >/dev/null
+fi
+node_port() { if [ "$1" = 1 ]; then echo "$SLURMD_PORT"; else echo $((CTLD_PORT + 3 + $1)); fi; }
+checks=("slurmctld $CTLD_PORT slurmctld" "slurmdbd $DBD_PORT slurmdbd" "mariadbd $DB_PORT mariadbd")
+for i in $(seq "$NODES"); do checks+=("slurmd $(node_port "$i") slurmd.n$i"); done
+for d in "${checks[@]}"; do
   set -- $d
-  if port_open "$2" && ! pid_alive "$RUN/$1.pid" "$1"; then
+  if port_open "$2" && ! pid_alive "$RUN/$3.pid" "$1"; then
     log "port $2 is taken by a $1 (or other process) not started from $RUN;" \
         "stop it or choose other ports with POSTTRAIN_SLURM_PORT"
     exit 1
@@ -79,7 +96,8 @@ done
 FRESH_STATE=0
 [ -n "$(ls -A "$RUN/state" 2>/dev/null)" ] || FRESH_STATE=1
 mkdir -p "$RUN"/{state,spool,log} "$DB_DIR"
-chown slurm:slurm "$RUN" "$RUN"/{state,spool,log}
+for i in $(seq "$NODES"); do mkdir -p "$RUN/spool/n$i"; done   # %n: one spool per slurmd
+chown slurm:slurm "$RUN" "$RUN"/{state,spool,log} "$RUN"/spool/n*
 chown mysql:mysql "$DB_DIR"
 chmod 755 "$RUN"
 echo "$SETTINGS" > "$RUN/settings"
@@ -100,6 +118,12 @@ fi
 munge_ok || { log "munge does not work"; exit 1; }
 
 # ------------------------------------------------------------------ slurm.conf
+NODE_LINES=""
+for i in $(seq "$NODES"); do
+  NODE_LINES="${NODE_LINES}NodeName=n$i NodeHostname=${HOST} NodeAddr=127.0.0.1 Port=$(node_port "$i") CPUs=${NCPU} RealMemory=${REAL_MEM} State=UNKNOWN
+"
+done
+NODE_LINES="${NODE_LINES%$'\n'}"
 if [ "${PREEMPT:-0}" = 1 ]; then
   # 22.05 takes preempt_send_user_signal only under SlurmctldParameters
   # (PreemptParameters= is an unknown key there and kills the daemons)
@@ -119,7 +143,10 @@ ClusterName=${CLUSTER}
 SlurmctldHost=${HOST}(127.0.0.1)
 SlurmUser=slurm
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 CryptoType=crypto/munge
+# several slurmd on one host, each given the whole host (see NODE_LINES)
+SlurmdParameters=config_overrides
 # bind to what the host name resolves to (loopback here), not to every address
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 MpiDefault=none
@@ -130,11 +157,11 @@ ReturnToService=2
 SlurmctldPort=${CTLD_PORT}
 SlurmdPort=${SLURMD_PORT}
 StateSaveLocation=${RUN}/state
-SlurmdSpoolDir=${RUN}/spool
+SlurmdSpoolDir=${RUN}/spool/%n
 SlurmctldPidFile=${RUN}/slurmctld.pid
-SlurmdPidFile=${RUN}/slurmd.pid
+SlurmdPidFile=${RUN}/slurmd.%n.pid
 SlurmctldLogFile=${RUN}/log/slurmctld.log
-SlurmdLogFile=${RUN}/log/slurmd.log
+SlurmdLogFile=${RUN}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 SchedulerType=sched/backfill
@@ -156,7 +183,7 @@ AccountingStorageHost=localhost
 AccountingStoragePort=${DBD_PORT}
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
-NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${NCPU} RealMemory=${REAL_MEM} State=UNKNOWN
+${NODE_LINES}
 ${PART_LINES}
 CONF
 )"
@@ -226,10 +253,12 @@ fi
 
 # ------------------------------------------------------------------ slurmctld + slurmd
 if [ "$conf_changed" = 1 ]; then   # plugin changes need a restart, not `scontrol reconfigure`
-  for d in slurmd slurmctld; do
-    if pid_alive "$RUN/$d.pid" "$d"; then
-      log "slurm.conf changed: restarting $d"
-      stop_pidfile "$d" "$RUN/$d.pid" "$d" >/dev/null
+  for f in "$RUN"/slurmd.pid "$RUN"/slurmd.*.pid "$RUN"/slurmctld.pid; do
+    [ -e "$f" ] || continue
+    d="$(basename "$f" .pid)"; d="${d%%.*}"
+    if pid_alive "$f" "$d"; then
+      log "slurm.conf changed: restarting $(basename "$f" .pid)"
+      stop_pidfile "$d" "$f" "$d" >/dev/null
     fi
   done
 fi
@@ -237,25 +266,33 @@ if ! pid_alive "$RUN/slurmctld.pid" slurmctld; then
   log "starting slurmctld"
   /usr/sbin/slurmctld -i   # -i: ignore unreadable state files
 fi
-if ! pid_alive "$RUN/slurmd.pid" slurmd; then
-  log "starting slurmd"
-  /usr/sbin/slurmd
-fi
+for i in $(seq "$NODES"); do
+  if ! pid_alive "$RUN/slurmd.n$i.pid" slurmd; then
+    log "starting slurmd -N n$i"
+    /usr/sbin/slurmd -N "n$i"
+  fi
+done
 
 # ------------------------------------------------------------------ readiness
-st=""
-for _ in $(seq 150); do
-  st="$(sinfo -h -n "$HOST" -o %T 2>/dev/null || true)"
-  case "$st" in idle*|mixed*|allocated*) break ;; esac
-  sleep 0.2
-done
-case "$st" in
-  idle*|mixed*|allocated*) ;;
-  down*|drain*) scontrol update nodename="$HOST" state=resume || true ;;
-  *) log "node not up (state '$st'); see $RUN/log"; exit 1 ;;
-esac
+node_up() {  # idle/mixed/allocated; a down or drained node (left from an earlier run) is resumed
+  local st=""
+  for _ in $(seq 150); do
+    st="$(sinfo -h -n "$1" -o %T 2>/dev/null || true)"
+    case "$st" in idle*|mixed*|allocated*) return 0 ;; down*|drain*) break ;; esac
+    sleep 0.2
+  done
+  case "$st" in
+    down*|drain*) scontrol update nodename="$1" state=resume || true; return 0 ;;
+  esac
+  log "node $1 not up (state '$st'); see $RUN/log"; return 1
+}
+for i in $(seq "$NODES"); do node_up "n$i" || exit 1; done
 out="$(cd "$RUN" && srun -N1 -n1 -t 1 hostname 2>&1)" || { log "test srun failed: $out"; exit 1; }
+if [ "$NODES" -gt 1 ]; then
+  out="$(cd "$RUN" && srun -N"$NODES" --ntasks-per-node=1 -t 1 printenv SLURMD_NODENAME 2>&1)" \
+    || { log "test srun on $NODES nodes failed: $out"; exit 1; }
+fi
 parts="$(sinfo -h -o %P | paste -sd, -)"
 [ "$SLURM_CONF" = /etc/slurm/slurm.conf ] || log "clients need: export SLURM_CONF=$SLURM_CONF"
-echo "SLURM READY cluster=$CLUSTER node=$HOST partitions=$parts" \
+echo "SLURM READY cluster=$CLUSTER nodes=$(sinfo -h -o %N | paste -sd, -) host=$HOST partitions=$parts" \
      "(slurmctld 127.0.0.1:$CTLD_PORT pid $(cat "$RUN/slurmctld.pid")) in $(since "$t0")s"

@@ -10,7 +10,9 @@ set -uo pipefail
 if pid_alive "$RUN/slurmctld.pid" slurmctld; then
   timeout 15 scancel --full --quiet --user="$(id -un)" 2>/dev/null || true
 fi
-stop_pidfile slurmd    "$RUN/slurmd.pid"    slurmd
+for f in "$RUN"/slurmd.pid "$RUN"/slurmd.*.pid; do   # slurmd.pid: a single-node start of old
+  [ -e "$f" ] && stop_pidfile "$(basename "$f" .pid)" "$f" slurmd
+done
 stop_pidfile slurmctld "$RUN/slurmctld.pid" slurmctld
 stop_pidfile slurmdbd  "$RUN/slurmdbd.pid"  slurmdbd
 stop_pidfile mariadbd  "$RUN/mariadbd.pid"  mariadbd 300

@@ -210,3 +210,37 @@ def test_property_round_trip(specs, fraction, seed, flavor, shard_limit):
         reconstruct(chain, full.identity, tmp / "out-base", durable=False)
         assert load_bytes(tmp / "out-new") == load_bytes(ndir)
         assert load_bytes(tmp / "out-base") == load_bytes(bdir)
+
+
+def test_sparse_changes_across_slices_and_windows_round_trip(tmp_path):
+    """Tensors over several slices and mapped windows, changed only here and there: zero slices
+    held back before, between and after changes still decode to the exact XOR stream."""
+    from posttrain.chain.checkpoint import CHUNK_BYTES
+    from posttrain.chain.encode import SLICE_BYTES
+    from posttrain.testing.synthetic import write_checkpoint
+
+    rng = np.random.default_rng(3)
+    n = (2 * CHUNK_BYTES + 3 * SLICE_BYTES + 4097) // 2  # bf16 elements: windows, slices and a ragged tail
+    base = {name: rng.integers(0, 1 << 16, n, dtype=np.uint16) for name in ("first", "middle", "last", "same")}
+    new = {name: a.copy() for name, a in base.items()}
+    new["first"][5] ^= 1  # only in the first slice: every later slice is trailing zeros
+    new["middle"][(CHUNK_BYTES + 5 * SLICE_BYTES // 2) // 2] ^= 0x80  # in the second window
+    new["last"][-1] ^= 0x100  # only in the ragged tail: everything before is held back
+    bdir = write_checkpoint(tmp_path / "base", {k: ("BF16", v) for k, v in base.items()})
+    ndir = write_checkpoint(tmp_path / "new", {k: ("BF16", v) for k, v in new.items()})
+    chain = tmp_path / "chain"
+    encode_snapshot(bdir, chain, identity="base", durable=False)
+    delta = encode_snapshot(ndir, chain, base_dir=bdir, identity="new", durable=False)
+    assert delta.changed_tensors == 3 and delta.density == 3 / (4 * 2 * n)
+    index = json.loads((delta.path / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == ["first", "last", "middle"]
+    assert not list(delta.path.glob(".spool*"))
+    with safe_open(str(delta.path / "model-00000.safetensors"), framework="numpy") as f:
+        meta = f.metadata()
+        for name in ("first", "middle", "last"):
+            frame = f.get_tensor(name).tobytes()
+            assert zstandard.get_frame_parameters(frame).content_size == 2 * n
+            assert zstandard.ZstdDecompressor().decompress(frame) == np.bitwise_xor(new[name], base[name]).tobytes()
+            assert meta[name] == "%08x" % zlib.adler32(new[name].tobytes())
+    reconstruct(chain, "new", tmp_path / "out", durable=False)
+    assert load_bytes(tmp_path / "out") == load_bytes(ndir)

@@ -92,6 +92,7 @@ CONFIGS = {
                                      secrets=[]),
     "cpu-only": minimal_config(gpus_per_node=0, scratch_size="10Gi", ttl_seconds_after_finished=None),
     "user-nccl": full_config(env={"NCCL_IB_HCA": "mlx5", "HF_HOME": "/data/cache/hf"}, job_name="grpo-custom"),
+    "rdzv-host": full_config(rdzv_host="10.9.8.7", master_port=29611),
 }
 
 
@@ -115,6 +116,22 @@ def test_every_manifest_validates_against_the_official_schema(name: str) -> None
         owned = dict(obj, metadata=dict(obj["metadata"], ownerReferences=[
             {"apiVersion": "batch/v1", "kind": "Job", "name": "x", "uid": "u"}]))  # fmt: skip
         kubernetes_validate.validate(owned, K8S_VERSION, strict=True)
+
+
+def test_rendezvous_follows_the_same_rule_as_slurm() -> None:
+    """Pod 0's stable name through the headless Service, or rdzv_host; the dry run says which."""
+    def env_of(config: KubernetesConfig) -> dict[str, str]:
+        job = KubernetesBackend(config).manifests(spec())[-1]
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    name = "grpo-nightly-20250101-000000-abcd"
+    assert env_of(full_config())["MASTER_ADDR"] == f"{name}-0.{name}.ml-team.svc.cluster.local"
+    env = env_of(CONFIGS["rdzv-host"])
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.9.8.7", "29611")
+    text = KubernetesBackend(CONFIGS["rdzv-host"]).render(spec())
+    assert "# rendezvous: MASTER_ADDR is 10.9.8.7 (the cluster's rdzv_host); MASTER_PORT=29611" in text
+    assert "# rendezvous:" not in KubernetesBackend(minimal_config()).render(spec())  # one node: none
 
 
 def test_schema_version_is_current() -> None:

@@ -1,9 +1,10 @@
-"""The Slurm backend against a real single-node Slurm (started by the slurm_cluster fixture):
+"""The Slurm backend against a real Slurm (started by the slurm_cluster fixture; two nodes on this host):
 submit, poll, tail, cancel, requeue with resume from a checkpoint, and the ssh path."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -98,7 +99,7 @@ def test_submit_poll_and_tail(shared: Path, slurm_jobs: list) -> None:
 
 
 def test_torchrun_under_slurm(shared: Path, slurm_jobs: list) -> None:
-    # the torchrun line with MASTER_ADDR from `scontrol show hostnames` and the node rank from Slurm
+    # the torchrun line with MASTER_ADDR from the first node's NodeAddr and the node rank from Slurm
     spec = JobSpec(name="ddp", command=[sys.executable, "-m", "posttrain.cluster.smoke", "--all-reduce"])
     path = f"{Path(sys.executable).parent}:/usr/bin:/bin"  # torchrun of this environment
     config = _config(shared, launcher="torchrun", gpus_per_node=0, env={"PATH": path})
@@ -106,6 +107,21 @@ def test_torchrun_under_slurm(shared: Path, slurm_jobs: list) -> None:
     slurm_jobs.append(handle)
     assert handle.wait(timeout_s=120) == JobState.COMPLETED, handle.failure_reason()
     assert "rank 0 of 1" in handle.tail_log(50)
+
+
+@pytest.mark.usefixtures("slurm_cluster_2nodes")
+def test_torchrun_across_two_nodes_meets_at_the_first_nodes_address(shared: Path, slurm_jobs: list) -> None:
+    """Two slurmd on this host (n1, n2): their names do not resolve, their NodeAddr does."""
+    spec = JobSpec(name="ddp2", command=[sys.executable, "-m", "posttrain.cluster.smoke", "--all-reduce"])
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = _config(shared, launcher="torchrun", gpus_per_node=0, nodes=2, master_port=port, env={"PATH": path})
+    handle = SlurmBackend(config).submit(spec)
+    slurm_jobs.append(handle)
+    assert handle.wait(timeout_s=120) == JobState.COMPLETED, handle.failure_reason()
+    assert "rank 0 of 2" in handle.tail_log(50, rank=0) and "rank 1 of 2" in handle.tail_log(50, rank=1)
 
 
 def test_failing_command_reports_why(shared: Path, slurm_jobs: list) -> None:

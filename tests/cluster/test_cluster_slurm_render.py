@@ -101,6 +101,59 @@ def test_sbatch_has_one_task_per_node_and_the_container_flags() -> None:
     assert 'mapfile -t posttrain_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")' in sbatch
 
 
+FAKE_SCONTROL = """#!/bin/bash
+case "$1 $2" in
+  "show hostnames") printf 'n1\\nn2\\n' ;;
+  "show node") [ -n "${FAKE_NODEADDR:-}" ] || exit 1
+               echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1"
+               echo "   NodeAddr=$FAKE_NODEADDR NodeHostName=vm Version=22.05.8" ;;
+esac
+"""
+
+
+def _setup_env(tmp_path: Path, sbatch: str, nodeaddr: str | None) -> dict[str, str]:
+    """Run the sbatch script's setup section with a fake scontrol; the variables it exports."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
+    setup = sbatch.split("# setup\n", 1)[1].split("\n# command", 1)[0]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "n[1-2]"}
+    if nodeaddr:
+        env["FAKE_NODEADDR"] = nodeaddr
+    out = subprocess.run(["bash", "-c", setup + "\nenv"], env=env, capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_rendezvous_host_is_the_first_nodes_address_not_its_name(tmp_path: Path) -> None:
+    """Node names need not resolve (several slurmd on one host: n1, n2); NodeAddr is how Slurm
+    itself reaches the node. Without a NodeAddr answer the name is the fallback."""
+    sbatch, _ = _sbatch_and_node(representative_config(), representative_spec())
+    assert _setup_env(tmp_path, sbatch, "127.0.0.1")["MASTER_ADDR"] == "127.0.0.1"
+    assert _setup_env(tmp_path, sbatch, "10.4.0.17")["MASTER_PORT"] == "29500"
+    assert _setup_env(tmp_path, sbatch, None)["MASTER_ADDR"] == "n1"
+
+
+def test_rdzv_host_overrides_the_rendezvous_address(tmp_path: Path) -> None:
+    config = representative_config(rdzv_host="10.9.8.7", master_port=29611)
+    sbatch, _ = _sbatch_and_node(config, representative_spec())
+    assert "scontrol show node" not in sbatch
+    values = _setup_env(tmp_path, sbatch, "127.0.0.1")
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"]) == ("10.9.8.7", "29611")
+    text = SlurmBackend(config).render(representative_spec())
+    assert "# rendezvous: MASTER_ADDR is 10.9.8.7 (the cluster's rdzv_host); MASTER_PORT=29611" in text
+    default = SlurmBackend(representative_config()).render(representative_spec())
+    assert "# rendezvous: MASTER_ADDR is the NodeAddr of the allocation's first node" in default
+
+
+@pytest.mark.parametrize("bad", ["a b", "host;rm", "-oProxy", "", "x/y"])
+def test_rdzv_host_must_be_a_host_or_address(bad: str) -> None:
+    with pytest.raises(ValueError, match="rdzv_host"):
+        representative_config(rdzv_host=bad)
+    for good in ("10.0.0.1", "node-01.cluster.internal", "fd00::1", "[fd00::1]"):
+        assert representative_config(rdzv_host=good).rdzv_host == good
+
+
 def test_no_container_flags_without_image() -> None:
     sbatch, _ = _sbatch_and_node(representative_config(image=None), representative_spec())
     assert "--container" not in sbatch

@@ -144,6 +144,21 @@ def slurm_cluster() -> None:
     print(f"started Slurm in {time.monotonic() - t0:.1f} s", file=sys.stderr)
 
 
+def _default_partition_nodes() -> int:
+    out = subprocess.run(["sinfo", "-h", "-o", "%P|%D"], capture_output=True, text=True, timeout=20).stdout
+    return sum(int(n) for p, _, n in (line.partition("|") for line in out.split()) if p.endswith("*"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_2nodes(slurm_cluster) -> None:
+    """A running Slurm whose default partition has at least two nodes (start-slurm.sh starts two,
+    POSTTRAIN_SLURM_NODES): one slurmd per node name on this host, all at 127.0.0.1."""
+    nodes = _default_partition_nodes()
+    if nodes < 2:
+        pytest.skip(f"the running Slurm's default partition has {nodes} node(s); scripts/services/start-slurm.sh "
+                    "starts two (POSTTRAIN_SLURM_NODES)")
+
+
 @pytest.fixture
 def slurm_jobs():
     """Handles registered here are cancelled at teardown, so no job outlives its test."""

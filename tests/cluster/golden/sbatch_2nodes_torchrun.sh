@@ -22,7 +22,9 @@
 # setup
 set -euo pipefail
 mapfile -t posttrain_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-export MASTER_ADDR="${posttrain_nodes[0]}"
+# rendezvous: the first node's NodeAddr (what Slurm reaches it by), else its name
+MASTER_ADDR="$(scontrol show node "${posttrain_nodes[0]}" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' | head -n 1)" || true
+export MASTER_ADDR="${MASTER_ADDR:-${posttrain_nodes[0]}}"
 export MASTER_PORT=29500
 export POSTTRAIN_JOB_DIR=/mnt/shared/posttrain-jobs/grpo-nightly-20250101-000000-abcd
 

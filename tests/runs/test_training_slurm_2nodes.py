@@ -1,0 +1,212 @@
+"""The trainer on two Slurm nodes (one slurmd per node name on this host, all at 127.0.0.1): TRL GRPO
+data-parallel over gloo, one torchrun per node meeting at the first node's NodeAddr; a requeue of the
+running 2-node job resumes on both nodes from the last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from posttrain.cluster import JobState
+from posttrain.runs.follow import TrainingRun, run_and_watch
+from posttrain.runs.job import parse_training_settings
+from posttrain.trainer.checkpoints import complete_checkpoints, last_complete_checkpoint
+
+pytestmark = pytest.mark.slow
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[2]
+
+SLOW_REWARD = '''
+import time
+from posttrain.rewards import length_reward
+
+def slow_length_reward(completions, **kwargs):
+    time.sleep(0.6)
+    return length_reward(completions, **kwargs)
+'''
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    from posttrain.datasets.staging import stage_dataset
+    from posttrain.datasets.toy import write_toy_jsonl
+    from posttrain.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("shared2")
+    build_tiny_model(root / "model", seed=0)
+    stage_dataset(write_toy_jsonl(root / "toy.jsonl", n=8, seed=0), root / "store")
+    (root / "pymod").mkdir()
+    (root / "pymod" / "slow_rewards.py").write_text(SLOW_REWARD)
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_node_cluster(shared_dir: Path, *extra_paths: str) -> dict:
+    """A SlurmConfig (as a dict) for two nodes, one torchrun per node, CPU."""
+    venv_bin = str(Path(sys.executable).parent)
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:/usr/bin:/bin",
+           "PYTHONPATH": os.pathsep.join([str(REPO), *extra_paths])}
+    return {"shared_dir": str(shared_dir), "image": None, "python": sys.executable, "nodes": 2, "gpus_per_node": 0,
+            "memory": "1G", "exclusive": False, "time_limit": "10", "launcher": "torchrun",
+            "master_port": free_port(), "poll_interval_s": 1, "env": env}  # fmt: skip
+
+
+def _settings(shared: Path, out: str, *, slow: bool = False, **trainer) -> dict:
+    manifest = next((shared / "store").glob("datasets/*/manifest.json"))
+    reward = "slow_rewards:slow_length_reward" if slow else "posttrain.rewards:length_reward"
+    return {
+        "name": "tiny-2nodes",
+        "backend": "slurm",
+        "cluster": two_node_cluster(shared, str(shared / "pymod")),
+        "trainer": {
+            "mode": "grpo", "model_name_or_path": str(shared / "model"), "output_dir": str(shared / out),
+            "dataset_manifest": str(manifest), "reward_funcs": ["posttrain.rewards:correctness_reward", reward],
+            "learning_rate": 1e-3, "per_device_train_batch_size": 4, "num_generations": 4,
+            "max_completion_length": 8, "max_steps": 3, "save_steps": 1, "use_cpu": True, **trainer,
+        },
+    }  # fmt: skip
+
+
+def _scontrol_show(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+
+
+def job_processes(job_dir: str) -> list[int]:
+    """Live processes of a job (their command line names its folder): on every node, as all run here."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if job_dir in cmd and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def assert_one_rank_per_node(run: TrainingRun, attempt_text: str = "") -> None:
+    logs = [run.handle.tail_log(3000, rank=r) for r in (0, 1)]
+    assert "distributed: rank 0 of world size 2 (node rank 0, local rank 0)" in logs[0], logs[0][-3000:]
+    assert "distributed: rank 1 of world size 2 (node rank 1, local rank 0)" in logs[1], logs[1][-3000:]
+    assert "(Slurm node n1)" in logs[0] and "(Slurm node n2)" in logs[1]
+    assert "backend gloo, rendezvous 127.0.0.1:" in logs[0]  # the first node's NodeAddr, not "n1"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("slurm_cluster_2nodes")
+def test_grpo_trains_data_parallel_on_two_slurm_nodes(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
+    config = parse_training_settings(_settings(shared, "run-2nodes"))
+    runs: list[TrainingRun] = []
+
+    def submitted(run: TrainingRun) -> None:
+        runs.append(run)
+        slurm_jobs.append(run.handle)
+
+    steps = [i.step for i in run_and_watch(config, on_submit=submitted, cursor_path=tmp_path / "c.json",
+                                           poll_interval=0.3)]
+    (run,) = runs
+    assert steps == [1, 2, 3] and run.state() == JobState.COMPLETED
+    sacct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", run.job_id, "-o", "NNodes,NodeList,State"],
+                           capture_output=True, text=True).stdout.split()
+    assert sacct == ["2|n[1-2]|COMPLETED"], sacct
+    assert_one_rank_per_node(run)
+    (result,) = run.results()  # one line: rank 0 alone writes the results file
+    assert (result.global_step, result.completed) == (3, True)
+    for c in complete_checkpoints(shared / "run-2nodes"):
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in c.path.iterdir()}
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.usefixtures("slurm_cluster_2nodes")
+def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
+    out = shared / "requeue-2nodes"
+    config = parse_training_settings(_settings(shared, out.name, slow=True, max_steps=6, save_steps=2))
+    runs: list[TrainingRun] = []
+    seen: list[int] = []
+    last = None
+    stopped_s = None
+
+    def submitted(run: TrainingRun) -> None:
+        runs.append(run)
+        slurm_jobs.append(run.handle)
+
+    for info in run_and_watch(config, on_submit=submitted, cursor_path=tmp_path / "c.json", poll_interval=0.3):
+        seen.append(info.step)
+        if len(seen) == 1:
+            job_id, job_dir = runs[0].job_id, runs[0].handle.job_dir
+            t0 = time.monotonic()
+            subprocess.run(["scontrol", "requeue", job_id], check=True)
+            while job_processes(job_dir):  # both nodes' tasks stop
+                assert time.monotonic() - t0 < 30, f"left running: {job_processes(job_dir)}"
+                time.sleep(0.2)
+            stopped_s = time.monotonic() - t0
+            last = last_complete_checkpoint(out)
+
+    (run,) = runs
+    assert run.state() == JobState.COMPLETED
+    assert seen == sorted(seen) and len(set(seen)) == len(seen) and seen[-1] == 6
+    assert last is not None and 2 <= last.step < 6
+    assert "Restarts=1" in _scontrol_show(run.job_id)
+    results = run.results()
+    assert (results[-1].resumed_from, results[-1].global_step, results[-1].completed) == (last.path, 6, True)
+    for rank in (0, 1):  # both nodes' second attempt resumed from that checkpoint
+        assert f"resuming from {last.path}" in run.handle.tail_log(5000, rank=rank), rank
+    assert_one_rank_per_node(run)
+    steps = [json.loads((c.path / "trainer_state.json").read_text())["global_step"] for c in complete_checkpoints(out)]
+    assert steps == [c.step for c in complete_checkpoints(out)] and steps[-1] == 6
+    print(f"both nodes stopped {stopped_s:.1f} s after the requeue; resumed from checkpoint-{last.step}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("slurm_cluster_2nodes")
+def test_step_mode_on_two_slurm_nodes_is_the_one_process_update(shared: Path, slurm_jobs: list,
+                                                                 tmp_path: Path) -> None:
+    """mode: step on external rollouts across both nodes: each rank takes half the micro-batches,
+    gradients are summed over gloo; the update equals one process's, written once by rank 0."""
+    import torch
+    from safetensors.torch import load_file
+
+    from posttrain.datasets.toy import toy_prompt_rows
+    from posttrain.rewards import length_reward
+    from posttrain.rollouts.format import write_rollouts
+    from posttrain.testing.sampler import sample_rollouts
+    from posttrain.trainer import TrainerConfig, run_training
+
+    rollouts = sample_rollouts(shared / "model", toy_prompt_rows(4), group_size=4, max_new_tokens=8,
+                               reward_func=length_reward)  # fmt: skip
+    path = write_rollouts(shared / "rollouts-2nodes.jsonl", rollouts)
+    trainer = {"mode": "step", "model_name_or_path": str(shared / "model"), "rollouts": str(path),
+               "learning_rate": 1e-3, "per_device_train_batch_size": 4, "num_iterations": 2, "use_cpu": True}
+    settings = {"name": "step-2nodes", "backend": "slurm", "cluster": two_node_cluster(shared),
+                "trainer": {**trainer, "output_dir": str(shared / "step-2nodes")}}  # fmt: skip
+    runs: list[TrainingRun] = []
+
+    def submitted(run: TrainingRun) -> None:
+        runs.append(run)
+        slurm_jobs.append(run.handle)
+
+    steps = [i.step for i in run_and_watch(parse_training_settings(settings), on_submit=submitted,
+                                           cursor_path=tmp_path / "c.json", poll_interval=0.3)]
+    (run,) = runs
+    assert steps == [2] and run.state() == JobState.COMPLETED
+    assert_one_rank_per_node(run)
+    (result,) = run.results()
+    assert (result.global_step, result.policy_version, result.completed) == (2, 1, True)
+    single = run_training(TrainerConfig(**trainer, output_dir=str(tmp_path / "single")))
+    two = load_file(str(shared / "step-2nodes" / "checkpoint-2" / "model.safetensors"))
+    for name, tensor in load_file(str(single.checkpoint / "model.safetensors")).items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-5, atol=1e-6)

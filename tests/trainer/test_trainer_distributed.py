@@ -1,0 +1,115 @@
+"""Data-parallel training on CPU (gloo) as torchrun starts it: two processes of one node here, the
+same launch as one process on each of two nodes. Both modes; rank 0 alone writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.datasets.toy import toy_prompt_rows
+from posttrain.rewards import length_reward
+from posttrain.rollouts.format import write_rollouts
+from posttrain.testing.sampler import sample_rollouts
+from posttrain.trainer.checkpoints import complete_checkpoints
+
+AUDIT = Path(__file__).with_name("audited_trainer.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(tmp_path: Path, config: dict, nproc: int, watched: Path) -> tuple[str, dict[int, list[str]]]:
+    """Run the trainer under torchrun; its output and the writes under ``watched`` per rank."""
+    cfg = tmp_path / f"trainer-{nproc}.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    prefix = tmp_path / f"writes-{nproc}-"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(AUDIT), str(watched), str(prefix),
+               str(cfg), "--result-file", str(watched / "results.jsonl")]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    writes = {r: Path(f"{prefix}{r}").read_text().splitlines() for r in range(nproc) if Path(f"{prefix}{r}").exists()}
+    return done.stdout + done.stderr, writes
+
+
+@pytest.mark.slow
+def test_grpo_on_two_ranks_rank0_writes_every_checkpoint_file(tiny_model_dir, staged_toy, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = dict(mode="grpo", model_name_or_path=str(tiny_model_dir), output_dir=str(out),
+                  dataset_manifest=str(staged_toy.manifest_path),
+                  reward_funcs=["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"],
+                  learning_rate=1e-3, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                  max_steps=2, save_steps=1, use_cpu=True)  # fmt: skip
+    log, writes = _torchrun(tmp_path, config, 2, out)
+    assert "distributed: rank 0 of world size 2" in log and "distributed: rank 1 of world size 2" in log
+    assert "backend gloo" in log
+    assert [c.step for c in complete_checkpoints(out)] == [1, 2]
+    for step in (1, 2):
+        names = {p.name for p in (out / f"checkpoint-{step}").iterdir()}
+        assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "trainer_state.json"} <= names
+    assert writes.get(1, []) == []  # rank 1 never wrote under the output folder
+    assert any("checkpoint-2/rng_state_1.pth" in w for w in writes[0])  # rank 0 wrote rank 1's RNG state
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["global_step"], r["completed"]) for r in results] == [(2, True)]  # one line: rank 0's
+
+
+@pytest.mark.slow
+def test_step_on_two_ranks_is_the_one_process_update(tiny_model_dir, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    rollouts = sample_rollouts(tiny_model_dir, toy_prompt_rows(4), group_size=4, max_new_tokens=8,
+                               reward_func=length_reward)  # fmt: skip
+    path = write_rollouts(tmp_path / "rollouts.jsonl", rollouts)
+    weights = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"step-{nproc}"
+        config = dict(mode="step", model_name_or_path=str(tiny_model_dir), output_dir=str(out), rollouts=str(path),
+                      learning_rate=1e-3, per_device_train_batch_size=6, num_iterations=2, use_cpu=True)  # fmt: skip
+        log, writes = _torchrun(tmp_path, config, nproc, out)
+        if nproc == 2:
+            assert "distributed: rank 1 of world size 2" in log and "backend gloo" in log
+            assert writes.get(1, []) == []
+        (checkpoint,) = complete_checkpoints(out)
+        state = json.loads((checkpoint.path / "trainer_state.json").read_text())
+        assert (state["global_step"], state["rollouts_used"]) == (2, 16)
+        weights[nproc] = load_file(str(checkpoint.path / "model.safetensors"))
+        lines = (out / "results.jsonl").read_text().splitlines()
+        assert len(lines) == 1
+    changed = False
+    for name, tensor in weights[1].items():
+        torch.testing.assert_close(weights[2][name], tensor, rtol=1e-5, atol=1e-6)
+        changed |= not torch.equal(tensor, load_file(str(tiny_model_dir / "model.safetensors"))[name])
+    assert changed
+
+
+def test_backend_and_ranks_come_from_the_launcher(monkeypatch) -> None:
+    """Same settings on CPU and GPU: nccl when a GPU is there (and use_cpu is off), else gloo."""
+    import torch
+
+    from posttrain.trainer import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (distributed.backend(False), distributed.backend(True)) == ("nccl", "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.backend(False) == "gloo"
+    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1", "SLURMD_NODENAME": "n2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(k, v)
+    r = distributed.ranks()
+    assert (r.rank, r.world_size, r.local_rank, r.node_rank, r.is_main) == (3, 4, 1, 1, False)
+    text = distributed.describe(r, "nccl")
+    assert text.startswith("distributed: rank 3 of world size 4 (node rank 1, local rank 1) on ")
+    assert "(Slurm node n2), backend nccl, rendezvous 127.0.0.1:29611" in text
