@@ -24,6 +24,7 @@ from posttrain.chain.encode import (
     Progress,
     _pwrite_all,
     _run_parallel,
+    close_readers,
     default_workers,
     preallocate,
     write_json_atomic,
@@ -49,8 +50,9 @@ class _FrameSlice:
 
 
 class _Local(threading.local):
-    def __init__(self) -> None:
+    def __init__(self, readers: list[ChunkReader]) -> None:
         self.reader = ChunkReader()
+        readers.append(self.reader)  # closed by the caller: a thread-local's data is dropped unclosed
         self.scratch = np.empty(SLICE_BYTES, dtype=np.uint8)
         self.xor = np.empty(SLICE_BYTES, dtype=np.uint8)
 
@@ -79,7 +81,8 @@ def apply_chain(
 ) -> Applied:
     """Reconstruct ``base`` + ``deltas`` into ``out`` (an existing empty folder), or just verify."""
     _check_deltas(base, deltas)
-    local = _Local()
+    readers: list[ChunkReader] = []
+    local = _Local(readers)
     fds: dict[Path, int] = {}
     fd_lock = threading.Lock()
 
@@ -123,6 +126,7 @@ def apply_chain(
             os.close(fd)
         for fd in fds.values():
             os.close(fd)
+        close_readers(readers)
     return Applied({n: digests[n] for n in base.tensors}, base.total_bytes)
 
 

@@ -98,10 +98,19 @@ class EncodedSnapshot:
 
 
 class _Buffers(threading.local):
-    def __init__(self) -> None:
+    """Each worker thread's readers and scratch; ``readers`` collects the readers of every thread,
+    for the caller to close (a thread-local's data is dropped without closing its descriptors)."""
+
+    def __init__(self, readers: list[ChunkReader]) -> None:
         self.new = ChunkReader()
         self.base = ChunkReader()
+        readers += (self.new, self.base)
         self.scratch = np.empty(SLICE_BYTES, dtype=np.uint8)
+
+
+def close_readers(readers: list[ChunkReader]) -> None:
+    for reader in readers:
+        reader.close()
 
 
 def _pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
@@ -159,7 +168,8 @@ def write_full(
     targets: dict[str, tuple[int, int]] = {}  # tensor -> (fd, offset)
     fds: list[int] = []
     files: dict[str, int] = {}
-    local = _Buffers()
+    readers: list[ChunkReader] = []
+    local = _Buffers(readers)
     try:
         for i, group in enumerate(groups):
             fname = flavor.shard_name(i, len(groups))
@@ -198,6 +208,7 @@ def write_full(
     finally:
         for fd in fds:
             os.close(fd)
+        close_readers(readers)
     atomic_write(dest / "config.json", config)  # synced: the index, written last, commits the folder
     return _encoded("full", new, results, weight_map, files, extra_files={"config.json": len(config)})
 
@@ -227,7 +238,8 @@ def write_delta(
     fmt = flavor.checksum_format
     spool_dir = dest / ".spool"
     spool_dir.mkdir()
-    local = _Buffers()
+    readers: list[ChunkReader] = []
+    local = _Buffers(readers)
 
     def encode(name: str) -> TensorResult:
         info, binfo = new.tensors[name], base.tensors[name]
@@ -255,6 +267,7 @@ def write_delta(
                 files[fname] = _assemble_shard(dest / fname, [results[n] for n in group], durable)
                 weight_map.update({n: fname for n in group})
     finally:
+        close_readers(readers)
         for p in spool_dir.iterdir():
             p.unlink()
         spool_dir.rmdir()

@@ -244,3 +244,24 @@ def test_sparse_changes_across_slices_and_windows_round_trip(tmp_path):
             assert meta[name] == "%08x" % zlib.adler32(new[name].tobytes())
     reconstruct(chain, "new", tmp_path / "out", durable=False)
     assert load_bytes(tmp_path / "out") == load_bytes(ndir)
+
+
+def test_encode_apply_and_verify_leave_no_descriptor_open(model_pair, tmp_path):
+    """A long-running server encodes and applies version after version: every descriptor a call
+    opens (in any worker thread) is closed when it returns, so deleted folders free their space."""
+    import os
+
+    def open_fds() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    base, new = model_pair
+    before = open_fds()
+    for i in range(3):
+        chain = tmp_path / f"chain-{i}"
+        encode_snapshot(base, chain, step=6, workers=2)
+        delta = encode_snapshot(new, chain, base_dir=base, workers=2)
+        reconstruct(chain, delta.identity, tmp_path / f"out-{i}", workers=2)
+        verify_chain(chain)
+    leaked = sorted(p for p in open_fds() - before if str(tmp_path) in p)
+    assert leaked == []
