@@ -124,6 +124,22 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
+def cpu_seconds(pidfile: Path) -> float:
+    """CPU time (user + system) the process of ``pidfile`` and its waited-for children have used."""
+    try:
+        fields = Path(f"/proc/{pidfile.read_text().strip()}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def matrix(args: argparse.Namespace) -> None:
     cases = [(db, int(n)) for db, n in (c.split(":") for c in args.cases.split(","))]
     sqlite_port, pg_port = (int(p) for p in args.ports.split(","))
@@ -150,20 +166,26 @@ def matrix(args: argparse.Namespace) -> None:
                 started.insert(0, ("stop-prefect.sh", env))
             out = state / f"summary-{db}-{shards}.json"
             out.unlink(missing_ok=True)
-            load0 = loadavg()
+            load0, server0, client0 = loadavg(), cpu_seconds(home / "server.pid"), own_children_cpu()
             child = [sys.executable, __file__, "--shards", str(shards), "--rounds", str(args.rounds),
                      "--prompts-per-shard", str(args.prompts_per_shard), "--num-generations",
                      str(args.num_generations), "--max-completion-length", str(args.max_completion_length),
                      "--summary-json", str(out)]
             rc = subprocess.run(child, env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}).returncode
             summary = json.loads(out.read_text()) if rc == 0 and out.exists() else None
+            if summary is not None:  # the whole flow: the rounds, the final publish and hot-load, setup
+                summary["server_cpu"] = cpu_seconds(home / "server.pid") - server0
+                summary["client_cpu"] = own_children_cpu() - client0
             results.append((db, shards, summary, load0, loadavg()))
     finally:
         for script, env in started:
             subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
     header = (f"{'server':>8} {'shards':>6} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
-              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'load 1m before/after':>21}")
-    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs")
+              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'start gap s':>11} {'end gap s':>9} "
+              f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
+    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. start gap: hot-load end to the first "
+          "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
+          "setup, final publish)")
     print(header)
     print("-" * len(header))
     for db, shards, m, l0, l1 in results:
@@ -171,7 +193,8 @@ def matrix(args: argparse.Namespace) -> None:
             print(f"{db:>8} {shards:>6}  failed")
             continue
         print(f"{db:>8} {shards:>6} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
-              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['retries_503']:>10.1f} {l0:>10.2f}/{l1:<10.2f}")
+              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['retries_503']:>10.1f} {m['gap_start']:>11.2f} "
+              f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -227,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
     runs_per_round = 1 + 1 + 3 * args.shards + 1  # publish, hot-load, per shard (task, subflow, sample), train
     header = (f"{'round':>5} {'wall s':>7} {'bodies s':>8} {'overhead s':>10} {'overhead %':>10} "
               f"{'runs':>4} {'per run ms':>10} {'per shard ms':>12} {'sample sum s':>12} {'sample union s':>14} "
-              f"{'subflow ms':>10} {'503s':>4}")
+              f"{'subflow ms':>10} {'503s':>4} {'gaps s: pub>load load>sample sample>train':>42}")
     print()
     print(f"GRPO, {args.shards} shards x {args.prompts_per_shard} prompts x {args.num_generations} completions, "
           f"{args.rounds} rounds, Prefect API {os.environ['PREFECT_API_URL']} "
@@ -248,14 +271,20 @@ def run(args: argparse.Namespace) -> dict:
         overhead = wall - busy
         subflow = [(shard_tasks[b[4]][3] - shard_tasks[b[4]][2]) - (b[3] - b[2])
                    for b in samples if b[4] in shard_tasks]
+        # where the overhead sits: publish end -> hot-load start, hot-load end -> first sample start
+        # (shard tasks and subflows created), last sample end -> training start (subflows completed)
+        first = {label: min(s for lb, _, s, _, _ in bodies if lb == label) for label in ("hot-load", "sample", "train")}
+        last = {label: max(e for lb, _, _, e, _ in bodies if lb == label) for label in ("publish", "hot-load", "sample")}
+        gaps = (first["hot-load"] - last["publish"], first["sample"] - last["hot-load"], first["train"] - last["sample"])
         print(f"{r:>5} {wall:>7.2f} {busy:>8.2f} {overhead:>10.2f} {100 * overhead / wall:>10.1f} "
               f"{runs_per_round:>4} {1000 * overhead / runs_per_round:>10.0f} {1000 * overhead / args.shards:>12.0f} "
               f"{sum(e - s for _, _, s, e, _ in samples):>12.2f} {union([(s, e) for _, _, s, e, _ in samples]):>14.2f} "
-              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {retries:>4}")
+              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {retries:>4} "
+              f"{gaps[0]:>12.2f} {gaps[1]:>12.2f} {gaps[2]:>12.2f}")
         rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
                      "per_run_ms": 1000 * overhead / runs_per_round,
                      "subflow_ms": 1000 * statistics.fmean(subflow) if subflow else float("nan"),
-                     "retries_503": retries})
+                     "retries_503": retries, "gap_start": gaps[1], "gap_end": gaps[2]})
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}

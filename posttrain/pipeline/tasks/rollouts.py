@@ -59,7 +59,8 @@ def serial_subflow_writes() -> bool:
 
 
 def _acquire() -> None:
-    if serial_subflow_writes() and not getattr(_held, "turn", False):
+    """Take this process's turn, only inside a shard task (whose end releases it)."""
+    if getattr(_held, "in_task", False) and serial_subflow_writes() and not getattr(_held, "turn", False):
         _held.turn = _TURNS.acquire(timeout=_TURN_WAIT_S)
 
 
@@ -70,10 +71,12 @@ def _release() -> None:
 
 
 def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
+    _held.in_task = True
     _acquire()
     try:
         return rollout_shard(spec, settings, inference, tokenizer_dir)
     finally:
+        _held.in_task = False
         _release()
 
 
