@@ -34,18 +34,16 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
 def rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     """One shard of a round: sample num_generations completions per prompt, score them."""
     _release()  # started
-    result = sample_and_score(spec, settings, inference, tokenizer_dir)
-    _acquire()  # held while Prefect completes the subflow run; released by the shard task
-    return result
+    return sample_and_score(spec, settings, inference, tokenizer_dir)
 
 
 # A subflow's start costs Prefect's server two transactions that read before they write (the
 # parent task run that tracks the subflow, then the flow run). On SQLite (WAL), such a transaction
 # fails at once with "database is locked" when another connection commits between its read and
 # its write: HTTP 503, and the client backs off 2, 4, 8 s. So against a SQLite-backed server the
-# shards of this process take turns for their subflows' API writes: from the shard task's start
-# until the subflow's body runs, and from the body's end until its run is Completed (a few API
-# calls each); sampling still overlaps. A turn waits for the previous one at most _TURN_WAIT_S
+# shards of this process take turns to start their subflows: from the shard task's start until the
+# subflow's body runs (about eight API calls); sampling and completion still overlap (a turn at
+# completion too cost more than the back-offs it saved). A turn waits for the previous one at most _TURN_WAIT_S
 # (a short wait would let all the waiting shards go at once). POSTTRAIN_PREFECT_DB names the
 # server's database, as for scripts/services/start-prefect.sh: sqlite (the default, and the
 # embedded server's), or postgres or a postgresql URL, where the shards start all at once.
@@ -59,7 +57,8 @@ def serial_subflow_writes() -> bool:
 
 
 def _acquire() -> None:
-    """Take this process's turn, only inside a shard task (whose end releases it)."""
+    """Take this process's turn, only inside a shard task (whose end releases it, if the subflow's
+    body has not)."""
     if getattr(_held, "in_task", False) and serial_subflow_writes() and not getattr(_held, "turn", False):
         _held.turn = _TURNS.acquire(timeout=_TURN_WAIT_S)
 
