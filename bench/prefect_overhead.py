@@ -1,29 +1,36 @@
 """Benchmark: Prefect's orchestration overhead per GRPO round (rollout shards as mapped subflows).
 
-Runs the ``grpo`` flow in this process against a Prefect server, with the tiny model, toy prompts,
-a folder store, the in-process reference inference server and a local training process. Every
-task body of a round is timed by wrapping the task's function (publish-checkpoint, hot-load, the
-8 ``rollout-shard`` tasks, the ``sample-and-score`` task inside each shard's subflow, train-step).
-Per round it prints:
+Runs the ``grpo`` flow against a Prefect server, with the tiny model, toy prompts, a folder store,
+the in-process reference inference server and a local training process. Every task body of a
+round is timed by wrapping the task's function (publish-checkpoint, hot-load, the ``rollout-shard``
+tasks, the ``sample-and-score`` task inside each shard's subflow, train-step). Per round:
 
   wall       the round as the flow timed it ("round s" of its table: publish to training step)
   bodies     time during which at least one task body ran (union of the body intervals)
   overhead   wall - bodies: time in which only Prefect ran (creating runs, states, subflows, results)
-  per run    overhead / Prefect runs of the round (tasks + subflows)
+  per run    overhead / Prefect runs of the round (tasks + subflows; 3 per shard)
   sample     sum and union of the sample-and-score bodies (they share one inference server)
   subflow    mean of (rollout-shard task body - its sample-and-score body): one subflow's cost
   503s       API answers "retry later" (SQLite busy) that the client backed off on
 
-No assertions. The server is $PREFECT_API_URL, else one started like scripts/test.sh does (port
-4300, or --port) and stopped at the end.
+By default it runs a matrix, each case in a process of its own against a server it starts on its
+own port and state folder (scripts/services/start-postgres.sh, start-prefect.sh) and stops at the
+end: Prefect on PostgreSQL with 8, 32 and 64 shards, then on embedded SQLite with 8 shards. It
+prints every case's rounds, then one line per case with the medians over its rounds and the load
+average (1 min) before and after the case. No assertions.
 
-    .venv/bin/python bench/prefect_overhead.py [--shards 8] [--rounds 3] [--prompts-per-shard 2]
+    .venv/bin/python bench/prefect_overhead.py [--cases postgres:8,postgres:32,postgres:64,sqlite:8]
+        [--rounds 3] [--ports 4320,4321] [--postgres-port 55432] [--state-dir DIR]
+    # one case against a server that runs already:
+    PREFECT_API_URL=http://127.0.0.1:4200/api POSTTRAIN_PREFECT_DB=sqlite .venv/bin/python \
+        bench/prefect_overhead.py --shards 8
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import logging
 import os
 import secrets
@@ -34,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,31 +54,6 @@ for k, v in ENV.items():
 _lock = threading.Lock()
 BODIES: list[tuple[str, int | None, float, float, int | None]] = []  # (task, round, start, end, shard)
 RETRIES_503: list[float] = []
-
-
-def healthy(api: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api}/health", timeout=3) as r:
-            return b"true" in r.read()
-    except OSError:
-        return False
-
-
-def ensure_server(port: int) -> dict | None:
-    """PREFECT_API_URL, or a server on ``port`` (started here when none answers: its env is returned)."""
-    if os.environ.get("PREFECT_API_URL"):
-        if not healthy(os.environ["PREFECT_API_URL"].rstrip("/")):
-            raise SystemExit(f"PREFECT_API_URL={os.environ['PREFECT_API_URL']} does not answer")
-        return None
-    api = f"http://127.0.0.1:{port}/api"
-    os.environ["PREFECT_API_URL"] = api
-    if healthy(api):
-        return None
-    env = {**os.environ, "PREFECT_PORT": str(port), "PREFECT_UI": "0",
-           "POSTTRAIN_PREFECT_DIR": os.environ.get("POSTTRAIN_PREFECT_DIR", "/tmp/posttrain-services/prefect-tests"),
-           "POSTTRAIN_BIN_DIR": str(Path(sys.executable).parent)}
-    subprocess.run(["bash", str(ROOT / "scripts/services/start-prefect.sh")], env=env, check=True)
-    return env
 
 
 def timed(task_obj, label: str, round_of, shard_of=None) -> None:
@@ -116,24 +97,107 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--cases", default="postgres:8,postgres:32,postgres:64,sqlite:8",
+                    help="comma-separated DB:SHARDS (DB: postgres or sqlite)")
+    ap.add_argument("--shards", type=int, help="one case, against $PREFECT_API_URL (no server started)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts-per-shard", type=int, default=2)
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--max-completion-length", type=int, default=8)
-    ap.add_argument("--port", type=int, default=int(os.environ.get("POSTTRAIN_TEST_PREFECT_PORT", "4300")))
+    ap.add_argument("--ports", default="4320,4321", help="Prefect ports: SQLite-backed, Postgres-backed")
+    ap.add_argument("--postgres-port", type=int, default=55432)
+    ap.add_argument("--state-dir", default=os.path.join(
+        os.environ.get("POSTTRAIN_SERVICES_DIR", "/tmp/posttrain-services"), "bench"))
+    ap.add_argument("--summary-json", help=argparse.SUPPRESS)  # a case's child writes its medians here
     args = ap.parse_args()
+    if args.shards is not None:
+        if not os.environ.get("PREFECT_API_URL"):
+            raise SystemExit("--shards runs one case against $PREFECT_API_URL; set it, or run the matrix")
+        summary = run(args)
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps(summary))
+        return
+    matrix(args)
 
-    started = ensure_server(args.port)
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def cpu_seconds(pidfile: Path) -> float:
+    """CPU time (user + system) the process of ``pidfile`` and its waited-for children have used."""
     try:
-        run(args)
+        fields = Path(f"/proc/{pidfile.read_text().strip()}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def matrix(args: argparse.Namespace) -> None:
+    cases = [(db, int(n)) for db, n in (c.split(":") for c in args.cases.split(","))]
+    sqlite_port, pg_port = (int(p) for p in args.ports.split(","))
+    state = Path(args.state_dir)
+    scripts = ROOT / "scripts/services"
+    base_env = {**os.environ, "POSTTRAIN_SERVICES_DIR": str(state), "PREFECT_UI": "0",
+                "POSTTRAIN_BIN_DIR": str(Path(sys.executable).parent), "POSTGRES_PORT": str(args.postgres_port),
+                "POSTTRAIN_POSTGRES_DIR": str(state / "postgres")}
+    base_env.pop("PREFECT_API_URL", None)
+    base_env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+    servers = {"sqlite": (sqlite_port, state / "prefect-sqlite"), "postgres": (pg_port, state / "prefect-postgres")}
+    started: list[tuple[str, dict]] = []
+    results = []
+    try:
+        for db, shards in cases:
+            port, home = servers[db]
+            env = {**base_env, "POSTTRAIN_PREFECT_DB": db, "PREFECT_PORT": str(port),
+                   "POSTTRAIN_PREFECT_DIR": str(home)}
+            if db == "postgres" and not any(s == "stop-postgres.sh" for s, _ in started):
+                subprocess.run(["bash", str(scripts / "start-postgres.sh")], env=env, check=True)
+                started.append(("stop-postgres.sh", env))
+            if not any(s == "stop-prefect.sh" and e["PREFECT_PORT"] == str(port) for s, e in started):
+                subprocess.run(["bash", str(scripts / "start-prefect.sh")], env=env, check=True)
+                started.insert(0, ("stop-prefect.sh", env))
+            out = state / f"summary-{db}-{shards}.json"
+            out.unlink(missing_ok=True)
+            load0, server0, client0 = loadavg(), cpu_seconds(home / "server.pid"), own_children_cpu()
+            child = [sys.executable, __file__, "--shards", str(shards), "--rounds", str(args.rounds),
+                     "--prompts-per-shard", str(args.prompts_per_shard), "--num-generations",
+                     str(args.num_generations), "--max-completion-length", str(args.max_completion_length),
+                     "--summary-json", str(out)]
+            rc = subprocess.run(child, env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}).returncode
+            summary = json.loads(out.read_text()) if rc == 0 and out.exists() else None
+            if summary is not None:  # the whole flow: the rounds, the final publish and hot-load, setup
+                summary["server_cpu"] = cpu_seconds(home / "server.pid") - server0
+                summary["client_cpu"] = own_children_cpu() - client0
+            results.append((db, shards, summary, load0, loadavg()))
     finally:
-        if started is not None:
-            subprocess.run(["bash", str(ROOT / "scripts/services/stop-prefect.sh")], env=started,
-                           capture_output=True)
+        for script, env in started:
+            subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
+    header = (f"{'server':>8} {'shards':>6} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
+              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'start gap s':>11} {'end gap s':>9} "
+              f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
+    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. start gap: hot-load end to the first "
+          "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
+          "setup, final publish)")
+    print(header)
+    print("-" * len(header))
+    for db, shards, m, l0, l1 in results:
+        if m is None:
+            print(f"{db:>8} {shards:>6}  failed")
+            continue
+        print(f"{db:>8} {shards:>6} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
+              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['retries_503']:>10.1f} {m['gap_start']:>11.2f} "
+              f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> dict:
     import posttrain.pipeline.flows.grpo as grpo_module
     from posttrain.cluster import LocalConfig
     from posttrain.datasets.toy import write_toy_jsonl
@@ -186,12 +250,14 @@ def run(args: argparse.Namespace) -> None:
     runs_per_round = 1 + 1 + 3 * args.shards + 1  # publish, hot-load, per shard (task, subflow, sample), train
     header = (f"{'round':>5} {'wall s':>7} {'bodies s':>8} {'overhead s':>10} {'overhead %':>10} "
               f"{'runs':>4} {'per run ms':>10} {'per shard ms':>12} {'sample sum s':>12} {'sample union s':>14} "
-              f"{'subflow ms':>10} {'503s':>4}")
+              f"{'subflow ms':>10} {'503s':>4} {'gaps s: pub>load load>sample sample>train':>42}")
     print()
     print(f"GRPO, {args.shards} shards x {args.prompts_per_shard} prompts x {args.num_generations} completions, "
-          f"{args.rounds} rounds, Prefect API {os.environ['PREFECT_API_URL']}")
+          f"{args.rounds} rounds, Prefect API {os.environ['PREFECT_API_URL']} "
+          f"(POSTTRAIN_PREFECT_DB={os.environ.get('POSTTRAIN_PREFECT_DB', 'sqlite')})")
     print(header)
     print("-" * len(header))
+    rows = []
     for row in report.rounds:
         r = row["round"]
         bodies = [b for b in BODIES if b[1] == r]
@@ -205,11 +271,23 @@ def run(args: argparse.Namespace) -> None:
         overhead = wall - busy
         subflow = [(shard_tasks[b[4]][3] - shard_tasks[b[4]][2]) - (b[3] - b[2])
                    for b in samples if b[4] in shard_tasks]
+        # where the overhead sits: publish end -> hot-load start, hot-load end -> first sample start
+        # (shard tasks and subflows created), last sample end -> training start (subflows completed)
+        first = {label: min(s for lb, _, s, _, _ in bodies if lb == label) for label in ("hot-load", "sample", "train")}
+        last = {label: max(e for lb, _, _, e, _ in bodies if lb == label) for label in ("publish", "hot-load", "sample")}
+        gaps = (first["hot-load"] - last["publish"], first["sample"] - last["hot-load"], first["train"] - last["sample"])
         print(f"{r:>5} {wall:>7.2f} {busy:>8.2f} {overhead:>10.2f} {100 * overhead / wall:>10.1f} "
               f"{runs_per_round:>4} {1000 * overhead / runs_per_round:>10.0f} {1000 * overhead / args.shards:>12.0f} "
               f"{sum(e - s for _, _, s, e, _ in samples):>12.2f} {union([(s, e) for _, _, s, e, _ in samples]):>14.2f} "
-              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {retries:>4}")
-    print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process")
+              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {retries:>4} "
+              f"{gaps[0]:>12.2f} {gaps[1]:>12.2f} {gaps[2]:>12.2f}")
+        rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
+                     "per_run_ms": 1000 * overhead / runs_per_round,
+                     "subflow_ms": 1000 * statistics.fmean(subflow) if subflow else float("nan"),
+                     "retries_503": retries, "gap_start": gaps[1], "gap_end": gaps[2]})
+    print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv, start every service the tests need on 127.0.0.1 (single-node Slurm with
-# accounting, SeaweedFS S3, Prefect server; vLLM's venv), run the whole test suite, stop what it started.
-#   PYTEST_ARGS   extra pytest arguments (e.g. "-k chain -x")
+# accounting, SeaweedFS S3, PostgreSQL and a Prefect server on it; vLLM's venv), run the whole test
+# suite, stop what it started.
+#   PYTEST_ARGS           extra pytest arguments (e.g. "-k chain -x")
+#   POSTTRAIN_PREFECT_DB  postgres (default here) or sqlite: the Prefect server's database; the
+#                         flows read it too (on sqlite their rollout shards take turns to start)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,8 +16,11 @@ export POSTTRAIN_SERVICES_DIR="${POSTTRAIN_SERVICES_DIR:-/tmp/posttrain-services
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
 started=()
-cleanup() {
-  for svc in "${started[@]}"; do bash "scripts/services/stop-$svc.sh" >/dev/null 2>&1 || true; done
+cleanup() {  # last started, first stopped (Prefect before its database)
+  local i
+  for ((i = ${#started[@]} - 1; i >= 0; i--)); do
+    bash "scripts/services/stop-${started[i]}.sh" >/dev/null 2>&1 || true
+  done
 }
 trap cleanup EXIT
 
@@ -26,8 +32,10 @@ start() {  # start SERVICE: run its start script (a second try after a failure),
 # Own state folder and port for the suite's Prefect server, apart from the demo's.
 export PREFECT_PORT="${POSTTRAIN_TEST_PREFECT_PORT:-4300}"
 export POSTTRAIN_PREFECT_DIR="$POSTTRAIN_SERVICES_DIR/prefect-tests"
+export POSTTRAIN_PREFECT_DB="${POSTTRAIN_PREFECT_DB:-postgres}"
 start slurm
 start s3
+if [ "$POSTTRAIN_PREFECT_DB" = postgres ]; then start postgres; fi
 start prefect
 export POSTTRAIN_S3_ENDPOINT="http://127.0.0.1:${S3_PORT:-8333}"
 export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"

@@ -6,6 +6,6 @@ set -uo pipefail
 RUN="${POSTTRAIN_PREFECT_DIR:-$SERVICES_DIR/prefect}"
 "$(dirname "$0")/stop-prefect-worker.sh"
 stop_pidfile "prefect server" "$RUN/server.pid" prefect 150
-rm -f "$RUN/port"
+rm -f "$RUN/port" "$RUN/db"
 if [ "${PURGE:-0}" = 1 ]; then rm -rf "$RUN" && echo "purged $RUN"; fi
 exit 0

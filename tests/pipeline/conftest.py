@@ -1,9 +1,10 @@
 """Fixtures of the Prefect acceptance tests: a real Prefect server, the deployments of prefect.yaml,
 a process worker on ``posttrain-process``, and the embedded defaults on a tiny model.
 
-The server is $PREFECT_API_URL when set (scripts/test.sh starts one on port 4300); otherwise this
-session starts one the way scripts/test.sh does (port 4300, its own state folder) and stops it
-at the end. The flows talk to an in-process reference inference server started here; training
+The server is $PREFECT_API_URL when set (scripts/test.sh starts one on port 4300, on PostgreSQL);
+otherwise this session starts one the way scripts/test.sh does (port 4300, its own state folder)
+and stops it at the end: on embedded SQLite, or with POSTTRAIN_PREFECT_DB=postgres on a PostgreSQL
+server that it also starts (scripts/services/start-postgres.sh, port $POSTGRES_PORT or 55432) and stops. The flows talk to an in-process reference inference server started here; training
 runs as a local process. Everything the runs write lives in one temporary folder.
 """
 
@@ -76,11 +77,19 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                            "POSTTRAIN_PREFECT_DIR": os.environ.get(
                                "POSTTRAIN_PREFECT_DIR", "/tmp/posttrain-services/prefect-tests"),
                            "POSTTRAIN_BIN_DIR": os.environ.get("POSTTRAIN_BIN_DIR", str(Path(sys.executable).parent))}
-            run = subprocess.run(["bash", str(SCRIPTS / "start-prefect.sh")], env=started_env, capture_output=True,
-                                 text=True, timeout=150)
-            if run.returncode != 0 or not _healthy(api):
-                pytest.fail("PREFECT_API_URL is unset and scripts/services/start-prefect.sh could not start a "
-                            f"Prefect server on port {TEST_PORT} (rc {run.returncode}):\n{run.stdout}{run.stderr}")
+            scripts = ["start-prefect.sh"]
+            if os.environ.get("POSTTRAIN_PREFECT_DB") == "postgres":
+                scripts.insert(0, "start-postgres.sh")
+            for script in scripts:
+                run = subprocess.run(["bash", str(SCRIPTS / script)], env=started_env, capture_output=True,
+                                     text=True, timeout=150)
+                if run.returncode != 0:
+                    _stop(started_env)
+                    pytest.fail(f"PREFECT_API_URL is unset and scripts/services/{script} failed to start a "
+                                f"Prefect server on port {TEST_PORT} (rc {run.returncode}):\n{run.stdout}{run.stderr}")
+            if not _healthy(api):
+                _stop(started_env)
+                pytest.fail(f"the Prefect server started on port {TEST_PORT} does not answer {api}/health")
     os.environ["PREFECT_API_URL"] = api
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}):
@@ -89,8 +98,14 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         if given is None:
             os.environ.pop("PREFECT_API_URL", None)
         if started_env is not None:
-            subprocess.run(["bash", str(SCRIPTS / "stop-prefect.sh")], env=started_env, capture_output=True,
-                           timeout=120)
+            _stop(started_env)
+
+
+def _stop(env: dict) -> None:
+    """Stop the Prefect server (and the PostgreSQL server under it) that prefect_api started."""
+    subprocess.run(["bash", str(SCRIPTS / "stop-prefect.sh")], env=env, capture_output=True, timeout=120)
+    if env.get("POSTTRAIN_PREFECT_DB") == "postgres":
+        subprocess.run(["bash", str(SCRIPTS / "stop-postgres.sh")], env=env, capture_output=True, timeout=120)
 
 
 @dataclass

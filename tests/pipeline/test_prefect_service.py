@@ -25,6 +25,7 @@ def test_ui_settings_name_the_servers_port(tmp_path: Path) -> None:
         "POSTTRAIN_SERVICES_DIR": str(tmp_path),
         "POSTTRAIN_PREFECT_DIR": str(tmp_path / "prefect"),
         "POSTTRAIN_BIN_DIR": str(Path(sys.executable).parent),
+        "POSTTRAIN_PREFECT_DB": "sqlite",  # not the suite's PostgreSQL database (scripts/test.sh)
     }
     env.pop("PREFECT_API_URL", None)
     try:

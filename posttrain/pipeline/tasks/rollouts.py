@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 from prefect import flow, get_run_logger, task
 from prefect.tasks import exponential_backoff
 
@@ -30,12 +33,55 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
 @flow(name="rollout-shard", flow_run_name="round-{spec.round}-shard-{spec.shard}")
 def rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     """One shard of a round: sample num_generations completions per prompt, score them."""
+    _release()  # started
     return sample_and_score(spec, settings, inference, tokenizer_dir)
+
+
+# A subflow's start costs Prefect's server two transactions that read before they write (the
+# parent task run that tracks the subflow, then the flow run). On SQLite (WAL), such a transaction
+# fails at once with "database is locked" when another connection commits between its read and
+# its write: HTTP 503, and the client backs off 2, 4, 8 s. So against a SQLite-backed server the
+# shards of this process take turns to start their subflows: from the shard task's start until the
+# subflow's body runs (about eight API calls); sampling and completion still overlap (a turn at
+# completion too cost more than the back-offs it saved). A turn waits for the previous one at most _TURN_WAIT_S
+# (a short wait would let all the waiting shards go at once). POSTTRAIN_PREFECT_DB names the
+# server's database, as for scripts/services/start-prefect.sh: sqlite (the default, and the
+# embedded server's), or postgres or a postgresql URL, where the shards start all at once.
+_TURNS = threading.Lock()
+_TURN_WAIT_S = 30.0
+_held = threading.local()
+
+
+def serial_subflow_writes() -> bool:
+    return os.environ.get("POSTTRAIN_PREFECT_DB", "sqlite").strip().lower() in ("", "sqlite")
+
+
+def _acquire() -> None:
+    """Take this process's turn, only inside a shard task (whose end releases it, if the subflow's
+    body has not)."""
+    if getattr(_held, "in_task", False) and serial_subflow_writes() and not getattr(_held, "turn", False):
+        _held.turn = _TURNS.acquire(timeout=_TURN_WAIT_S)
+
+
+def _release() -> None:
+    if getattr(_held, "turn", False):
+        _held.turn = False
+        _TURNS.release()
+
+
+def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
+    _held.in_task = True
+    _acquire()
+    try:
+        return rollout_shard(spec, settings, inference, tokenizer_dir)
+    finally:
+        _held.in_task = False
+        _release()
 
 
 # A task around the subflow: .map() runs the round's shards concurrently, and a failing shard is
 # retried alone (its task re-runs only its own subflow).
 rollout_shard_task = task(
-    rollout_shard, name="rollout-shard", retries=2, retry_delay_seconds=exponential_backoff(1),
+    _rollout_shard, name="rollout-shard", retries=2, retry_delay_seconds=exponential_backoff(1),
     retry_condition_fn=transient_only, task_run_name="shard-{spec.shard}",
 )
