@@ -72,3 +72,10 @@ def _int(t):
     import torch
 
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def varied_reward(completions: list, **kwargs) -> list[float]:
+    """A reward that varies within a group (character count mod 3), so GRPO has advantages to learn from."""
+    from posttrain.rewards import completion_text
+
+    return [float(len(completion_text(c)) % 3) for c in completions]
