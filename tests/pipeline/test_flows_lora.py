@@ -61,3 +61,24 @@ def test_nightly_lora_merged_published_and_served_bit_exact(tiny_setup, tmp_path
     assert load_bytes(served.path) == last
     state_dict = served.model.state_dict()
     assert all(tensor_bytes(state_dict[name]) == raw for name, (_, _, raw) in last.items())
+
+
+@pytest.mark.timeout(600)
+def test_grpo_lora_rounds_train_one_adapter_and_serve_its_merge(tiny_setup):
+    from posttrain.lora import read_adapter
+    from posttrain.pipeline.flows.grpo import grpo
+
+    params = tiny_setup.grpo_settings("flows-grpo-lora", **LORA, rounds=2, learning_rate=5e-2,
+                                      reward_funcs=["posttrain.rewards:length_reward"])
+    state = grpo(**params, return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    assert [r["kind"] for r in report.rounds] == ["full", "delta"]
+    final = Path(report.final_checkpoint)
+    adapter = read_adapter(final)
+    assert adapter.base.path == str(tiny_setup.base_model) and final.name == "checkpoint-2"
+    served = tiny_setup.server.engine.slot.current()
+    assert served.identity == report.final_snapshot
+    want = peft_merged(tiny_setup.base_model, final)
+    got = load_bytes(served.path)
+    assert got and all(raw == tensor_bytes(want[name]) for name, (_, _, raw) in got.items())
