@@ -68,3 +68,19 @@ def test_step_lora_starts_an_adapter_then_continues_it(tiny_model_dir, tmp_path)
     assert adapter.config["base_model_name_or_path"] == str(tiny_model_dir)  # the base, not the previous adapter
     merged = merge_adapter(second.checkpoint, tiny_model_dir, tmp_path / "merged")
     assert assert_bit_exact(merged.path, peft_merged(tiny_model_dir, second.checkpoint)) == merged.total_tensors
+
+
+def test_lora_section_in_the_yaml(tmp_path):
+    import pytest
+
+    from posttrain.trainer.config import ConfigError, load_trainer_config
+
+    text = ("mode: step\nmodel_name_or_path: /m\noutput_dir: /o\nrollouts: /r.jsonl\n"
+            "lora: {r: 8, lora_alpha: 16, lora_dropout: 0.05, target_modules: [q_proj, o_proj]}\n")
+    (tmp_path / "t.yaml").write_text(text)
+    lora = load_trainer_config(tmp_path / "t.yaml").lora
+    assert (lora.r, lora.lora_alpha, lora.lora_dropout, lora.target_modules) == (8, 16, 0.05, ["q_proj", "o_proj"])
+    assert lora.peft_config().target_modules == {"q_proj", "o_proj"}
+    (tmp_path / "t.yaml").write_text(text.replace("r: 8", "rank: 8"))
+    with pytest.raises(ConfigError, match="lora.rank: Extra inputs are not permitted"):
+        load_trainer_config(tmp_path / "t.yaml")
