@@ -102,3 +102,23 @@ def test_bad_inputs_one_line_and_nothing_written(tmp_path):
     with pytest.raises(LoraError):
         read_adapter(dora)
     assert not out.exists() and not list(tmp_path.glob(".tmp-merged-*"))
+
+
+def test_flow_merge_task_refuses_a_foreign_adapter_and_leaves_nothing(tmp_path):
+    """The flows' merge step (``merge_lora``) on an adapter of another base: one line naming both,
+    no merged folder, so ``publish_weights`` never reaches the publisher."""
+    from posttrain.pipeline.parameters import from_parameters
+    from posttrain.pipeline.settings import NightlySettings
+    from posttrain.pipeline.tasks.publishing import merge_lora
+
+    base, other = make_base(tmp_path / "base"), make_base(tmp_path / "other", hidden_size=128)
+    adapter = make_adapter(other, tmp_path / "checkpoint-1")
+    _ref(adapter, other)
+    settings = from_parameters(NightlySettings, dict(
+        run_name="lora-bad", base_model=str(base), dataset="/d.jsonl", shared_dir=str(tmp_path / "shared"),
+        reward_funcs=["posttrain.rewards:format_reward"], max_steps=1, use_lora=True))
+    with pytest.raises(LoraError) as err:
+        merge_lora.fn(str(adapter), 1, settings)
+    assert "\n" not in str(err.value) and "down_proj" in str(err.value) and str(base) in str(err.value)
+    merged = settings.run_dir / "merged"
+    assert not merged.exists() or not any(merged.iterdir())
