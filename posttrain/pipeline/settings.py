@@ -6,7 +6,7 @@ import copy
 import re
 from pathlib import Path
 from types import UnionType
-from typing import Union, get_args, get_origin
+from typing import Literal, Union, get_args, get_origin
 
 from annotated_types import MinLen
 from prefect.blocks.core import Block
@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor
 from posttrain.pipeline.blocks import InferenceDeployment, KubernetesCluster, LocalCluster, ObjectStore, SlurmCluster
 from posttrain.rollouts.shard import RolloutSettings
-from posttrain.trainer.config import TrainerConfig
+from posttrain.trainer.config import LoraSettings, TrainerConfig
 
 # At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels. (No
 # bracket starts with a letter: Prefect's CLI prints the pattern through rich, which eats "[a-z...]".)
@@ -49,8 +49,8 @@ def block_ref(value):
     return value
 
 
-# Fields the flows fill in themselves.
-_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts"}
+# Fields the flows fill in themselves (``lora`` from the run's lora group).
+_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts", "lora"}
 
 
 def trainer_settings(mode: str, *, exclude: frozenset[str] = frozenset(), required: tuple[str, ...] = ()):
@@ -97,9 +97,9 @@ def check_trainer(settings: BaseModel, mode: str) -> BaseModel:
     return settings
 
 
-def trainer_config(settings: BaseModel, **filled) -> TrainerConfig:
-    """A TrainerConfig from the flow's trainer settings plus what the flow fills in."""
-    return TrainerConfig(**settings.model_dump(), **filled)
+def trainer_config(settings: BaseModel, lora: LoraGroup | None = None, **filled) -> TrainerConfig:
+    """A TrainerConfig from the flow's trainer settings, the run's lora group and what the flow fills in."""
+    return TrainerConfig(**settings.model_dump(), lora=lora.trainer_lora() if lora else None, **filled)
 
 
 class PublishSettings(BaseModel):
@@ -110,6 +110,29 @@ class PublishSettings(BaseModel):
     delta_budget: float = Field(1.0, gt=0, description="Delta bytes allowed since a full snapshot, in full snapshots.")
     max_shard_size: int = Field(1 << 30, gt=0, description="Shard size limit in bytes.")
     retention: bool = Field(False, description="Delete chains superseded by a newer full snapshot.")
+
+
+class LoraGroup(LoraSettings):
+    """LoRA training (peft's names) and how its checkpoints are published."""
+
+    use_lora: bool = Field(False, description="Train a LoRA adapter (r, lora_alpha, lora_dropout, target_modules) "
+                           "instead of all weights.")
+    lora_publish: Literal["merged", "adapter"] = Field(
+        "merged", description="With use_lora: merged publishes base + adapter as full/delta snapshots of the model "
+        "(any engine); adapter would publish the adapter alone for engines that load LoRA at run time (not yet).",
+    )
+
+    @field_validator("lora_publish")
+    @classmethod
+    def _publish(cls, v: str) -> str:
+        if v == "adapter":
+            raise ValueError("adapter publishing is not supported yet: the hot-load API and the reference server "
+                             "load full or delta snapshots of a whole model; use merged")
+        return v
+
+    def trainer_lora(self) -> LoraSettings | None:
+        """The trainer's lora section, or None without use_lora."""
+        return LoraSettings(**self.model_dump(include=set(LoraSettings.model_fields))) if self.use_lora else None
 
 
 class RunSettings(BaseModel):
@@ -136,6 +159,7 @@ class RunSettings(BaseModel):
         description="Inference deployment block, or null for none.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
+    lora: LoraGroup = Field(default_factory=LoraGroup, description="LoRA training and publishing.")
 
     _blocks = field_validator(*BLOCK_PARAMETERS, mode="before")(lambda cls, v: block_ref(v))
 

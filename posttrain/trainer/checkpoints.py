@@ -1,8 +1,9 @@
 """Which ``checkpoint-<step>`` folders of a training output folder are complete.
 
 A folder counts only when it is completely written: its weights (``model.safetensors``, or every
-shard named in ``model.safetensors.index.json``) have valid safetensors headers whose offsets
-match the file sizes, and ``config.json`` and ``trainer_state.json`` parse. The Hugging Face
+shard named in ``model.safetensors.index.json``; for a LoRA checkpoint ``adapter_model.safetensors``)
+have valid safetensors headers whose offsets match the file sizes, and ``config.json`` (LoRA:
+``adapter_config.json``) and ``trainer_state.json`` parse. The Hugging Face
 Trainer writes ``trainer_state.json`` last, so a folder that passes was finished. Anything else
 (a ``.tmp-checkpoint-*`` staging folder, missing files, truncated shards, transformers'
 ``checkpoint-is-incomplete.txt`` sentinel) is incomplete.
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from posttrain.chain.errors import FormatError
 from posttrain.chain.safetensors_io import read_header
+from posttrain.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -46,6 +48,7 @@ class CheckpointInfo(BaseModel):
     policy_version: int | None = Field(
         None, description="Policy version recorded in trainer_state.json, when the trainer records one."
     )
+    adapter: bool = Field(False, description="A LoRA checkpoint: a peft adapter and a reference to its base.")
 
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -57,9 +60,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     try:
         if (path / INCOMPLETE_SENTINEL).exists():
             raise IncompleteCheckpoint(f"{path}: {INCOMPLETE_SENTINEL} is present")
-        _read_json_object(path / CONFIG_NAME)
+        adapter = (path / ADAPTER_CONFIG).exists()
+        _read_json_object(path / (ADAPTER_CONFIG if adapter else CONFIG_NAME))
         state = _read_json_object(path / TRAINER_STATE_FILE)
-        weight_files = _weight_files(path)
+        weight_files = [ADAPTER_WEIGHTS] if adapter else _weight_files(path)
         weight_bytes = 0
         for name in weight_files:
             try:
@@ -75,6 +79,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
         weight_files=weight_files,
         weight_bytes=weight_bytes,
         policy_version=version if isinstance(version, int) else None,
+        adapter=adapter,
     )
 
 

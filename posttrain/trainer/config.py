@@ -16,6 +16,26 @@ class ConfigError(ValueError):
     """The trainer config file is missing, not YAML, or fails validation (the message names the fields)."""
 
 
+class LoraSettings(BaseModel):
+    """A LoRA adapter to train instead of all weights (peft's ``LoraConfig`` names and meanings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1, description="LoRA rank: the inner dimension of each A/B pair.")
+    lora_alpha: float = Field(32, gt=0, description="LoRA scale numerator: the update is (lora_alpha / r) B @ A.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"], min_length=1,
+        description="Linear modules that get an adapter, by name suffix (e.g. q_proj, v_proj, down_proj).",
+    )
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
 class TrainerConfig(BaseModel):
     """One training run on a node: ``mode: grpo`` (TRL generates) or ``mode: step`` (rollouts from elsewhere)."""
 
@@ -93,6 +113,10 @@ class TrainerConfig(BaseModel):
     bf16: bool = Field(False, description="Train in bfloat16 (needs a GPU or a CPU with bf16 support).")
     use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present.")
     gradient_checkpointing: bool = Field(False, description="grpo: trade compute for activation memory.")
+    lora: LoraSettings | None = Field(
+        None, description="Train a LoRA adapter (peft) instead of all weights; each checkpoint is the adapter "
+        "plus a reference to its base. None trains all weights.",
+    )
 
     @field_validator("output_dir", "dataset_manifest", "rollouts")
     @classmethod

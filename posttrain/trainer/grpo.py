@@ -21,6 +21,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from posttrain.datasets.staging import read_staged_rows
+from posttrain.lora.adapter import BaseRef, base_fingerprint, write_base_ref
 from posttrain.rollouts.scoring import load_reward_funcs
 from posttrain.trainer import distributed
 from posttrain.trainer.checkpoints import (
@@ -73,13 +74,15 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         config.model_name_or_path, dtype=torch.bfloat16 if config.bf16 else torch.float32
     )
     stopper = StopOnRequest(stop_event)
-    trainer = rank0_writes(GRPOTrainer)(
+    base_ref = lora_base_ref(config)
+    trainer = rank0_writes(trainer_class(GRPOTrainer, base_ref))(
         model=model,
         reward_funcs=reward_funcs,
         args=grpo_arguments(config),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         callbacks=[stopper],
+        peft_config=config.lora.peft_config() if config.lora else None,
     )
     if trainer.args.world_size > 1:
         import torch.distributed as dist
@@ -125,6 +128,31 @@ def rank0_writes(trainer_class):
 
     Rank0Writes.__name__ = Rank0Writes.__qualname__ = f"Rank0Writes{trainer_class.__name__}"
     return Rank0Writes
+
+
+def lora_base_ref(config: TrainerConfig) -> BaseRef | None:
+    """With ``lora``: the base the adapter trains on (a local folder: merges read it), fingerprinted once."""
+    if config.lora is None:
+        return None
+    base = Path(config.model_name_or_path)
+    if not base.is_dir():
+        raise ConfigError(f"model_name_or_path {str(base)!r}: with lora, the base must be a local model folder "
+                          "(each checkpoint references it, and merges read it)")
+    return BaseRef(path=str(base), fingerprint=base_fingerprint(base))
+
+
+def trainer_class(cls, base_ref: BaseRef | None):
+    """``cls``, or with LoRA a subclass whose saves also write the base reference beside the adapter
+    (in ``_save``, before ``trainer_state.json``, which makes a checkpoint complete)."""
+    if base_ref is None:
+        return cls
+
+    class LoraTrainer(cls):
+        def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+            super()._save(output_dir, state_dict)
+            write_base_ref(output_dir or self.args.output_dir, base_ref)
+
+    return LoraTrainer
 
 
 def grpo_arguments(config: TrainerConfig):

@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.fsutil import publish_dir, staging_dir
+from posttrain.lora.adapter import BaseRef, LoraError, base_fingerprint, is_adapter_dir, read_adapter, write_base_ref
 from posttrain.rollouts.format import Rollout, RolloutError, load_rollouts
 from posttrain.rollouts.scoring import group_advantages
 from posttrain.trainer import distributed
@@ -151,14 +152,16 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     device = distributed.init(config.use_cpu)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model, base_ref = _load_policy(model_dir, config, dtype)
+    model = model.to(device)
     model.eval()  # no dropout: the ratio must compare the same function before and after the update
     _check_token_ids(fresh, model.get_input_embeddings().num_embeddings, config.rollouts)
     ref_model = None
     if config.beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(config.ref_model_name_or_path, dtype=dtype).to(device)
         ref_model.eval()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapter's
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
     restored = _load_optimizer_state(optimizer, model_dir, config)
 
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -187,7 +190,7 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         created=datetime.now(UTC),
     )
     if ranks.is_main:
-        _save_atomically(model, optimizer, model_dir, target, state)
+        _save_atomically(model, optimizer, model_dir, target, state, base_ref)
     distributed.barrier()  # every rank returns once the checkpoint exists
     return TrainingResult(
         mode="step",
@@ -197,6 +200,36 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         completed=True,
         metrics=metrics,
     )
+
+
+def _load_policy(model_dir: Path, config: TrainerConfig, dtype):
+    """The policy to train and, with LoRA, its base reference. With ``lora``, ``model_dir`` is the base
+    (a new adapter starts) or the previous step's adapter checkpoint (training continues on it)."""
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = is_adapter_dir(model_dir)
+    if config.lora is None:
+        if adapter_dir:
+            raise StepError(f"model_name_or_path {str(model_dir)!r} is a LoRA adapter: set lora to train it")
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), None
+    from peft import PeftModel, get_peft_model
+
+    if not adapter_dir:
+        base_ref = BaseRef(path=str(model_dir), fingerprint=base_fingerprint(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return get_peft_model(model, config.lora.peft_config()), base_ref
+    try:
+        adapter = read_adapter(model_dir)
+    except LoraError as e:
+        raise StepError(str(e)) from None
+    got = {k: adapter.config.get(k) for k in ("r", "lora_alpha")}
+    if got != {"r": config.lora.r, "lora_alpha": config.lora.lora_alpha}:
+        raise StepError(f"{model_dir}: adapter has {got}, the config asks for r={config.lora.r}, "
+                        f"lora_alpha={config.lora.lora_alpha}")
+    base = adapter.base_path
+    base_ref = adapter.base or BaseRef(path=base, fingerprint=base_fingerprint(base))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    return PeftModel.from_pretrained(model, model_dir, is_trainable=True), base_ref
 
 
 def _train(model, ref_model, optimizer, batches, mine, config, stop_event, device) -> dict[str, float] | None:
@@ -330,11 +363,15 @@ def _already_written(target: Path, model_dir: Path, rollouts_sha: str) -> Traini
     )
 
 
-def _save_atomically(model, optimizer, model_dir: Path, target: Path, state: PolicyState) -> None:
-    """Write the checkpoint under a temporary name, sync it, then rename it into place."""
+def _save_atomically(model, optimizer, model_dir: Path, target: Path, state: PolicyState,
+                     base_ref: BaseRef | None = None) -> None:
+    """Write the checkpoint under a temporary name, sync it, then rename it into place. With LoRA,
+    ``save_pretrained`` writes the adapter only, and the base reference goes beside it."""
     # one writer per step: a staging folder left by a killed attempt is removed
     with staging_dir(target, clear_leftovers=True) as tmp:
         model.save_pretrained(tmp)
+        if base_ref is not None:
+            write_base_ref(tmp, base_ref)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)

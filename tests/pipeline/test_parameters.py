@@ -98,3 +98,25 @@ def test_a_picked_block_is_named_like_a_given_one():
     """The UI's picker sends Prefect's reference to a saved block; a run's stored parameters keep it."""
     picked = {"$ref": {"block_document_slug": "posttrain-object-store/nightly"}}
     assert from_parameters(NightlySettings, {**NIGHTLY, "store": picked}).store == "posttrain-object-store/nightly"
+
+
+def test_lora_group_is_flat_and_reaches_the_trainer():
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+    from posttrain.pipeline.settings import trainer_config
+
+    lora_params = {"use_lora", "r", "lora_alpha", "lora_dropout", "target_modules", "lora_publish"}
+    assert lora_params <= set(schema(nightly_post_training)["properties"])
+    assert lora_params <= set(parameter_fields(GrpoSettings))
+    assert "lora" not in parameter_fields(NightlySettings)  # the trainer's section comes from the group
+    plain = from_parameters(NightlySettings, NIGHTLY)
+    assert trainer_config(plain.trainer, plain.lora, mode="grpo", model_name_or_path="/m", output_dir="/o",
+                          dataset_manifest="/d.json").lora is None
+    on = from_parameters(NightlySettings, {**NIGHTLY, "use_lora": True, "r": 8, "target_modules": ["q_proj"]})
+    assert from_parameters(NightlySettings, to_parameters(on)) == on
+    lora = trainer_config(on.trainer, on.lora, mode="grpo", model_name_or_path="/m", output_dir="/o",
+                          dataset_manifest="/d.json").lora
+    assert (lora.r, lora.lora_alpha, lora.target_modules) == (8, 32, ["q_proj"])
+    with pytest.raises(ParameterError, match="lora_publish: adapter publishing is not supported yet"):
+        from_parameters(NightlySettings, {**NIGHTLY, "use_lora": True, "lora_publish": "adapter"})
+    with pytest.raises(ParameterError, match="^r: "):
+        from_parameters(NightlySettings, {**NIGHTLY, "r": 0})

@@ -2,7 +2,10 @@
 from the deployment as concurrent subflows, then trains one step on the cluster.
 
 Every rollout of round r carries policy version r and the snapshot identity hot-loaded for the
-round; a shard whose replies come from any other snapshot fails (``SnapshotMismatch``)."""
+round; a shard whose replies come from any other snapshot fails (``SnapshotMismatch``).
+
+With ``use_lora``, each round's step trains the same adapter further (from the base in round 0)
+and the policy published is the base with the adapter merged into it."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
-from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
+from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import reward_curve, reward_curve_svg, round_table, size_column
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
 from posttrain.pipeline.tasks.staging import stage
@@ -56,7 +59,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     table: list[dict] = []
     for r in range(settings.rounds):
         t0 = time.perf_counter()
-        snapshot = publish_checkpoint(current, r, settings)
+        snapshot = publish_weights(current, r, settings)
         t_pub = time.perf_counter() - t0
         loaded = hot_load(snapshot, settings) if settings.inference else None
         t_load = time.perf_counter() - t0 - t_pub
@@ -66,12 +69,13 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         identity = loaded.identity if loaded else snapshot.identity
         specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
                             policy_version=r, round_dir=round_dir, identity=identity)
+        tokenizer_dir = settings.base_model if settings.lora.use_lora else current  # LoRA keeps the tokenizer
         futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
-                                         unmapped(current))
+                                         unmapped(tokenizer_dir))
         shards = futures.result()
         rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
         n, mean, std, spread = pooled_rewards(shards)
-        trainer = trainer_config(settings.trainer, mode="step", model_name_or_path=current,
+        trainer = trainer_config(settings.trainer, settings.lora, mode="step", model_name_or_path=current,
                                  output_dir=run_dir / "policy", rollouts=rollouts,
                                  temperature=settings.rollout.temperature)
         current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
@@ -87,7 +91,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         events.round_finished(settings.run_name, r, n, mean, std, identity)
         reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
         logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
-    final = publish_checkpoint(current, settings.rounds, settings)
+    final = publish_weights(current, settings.rounds, settings)
     if settings.inference:
         hot_load(final, settings)
     svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])

@@ -1,5 +1,8 @@
 """The nightly post-training flow: stage → train → watch checkpoints → publish and hot-load each.
 
+With ``use_lora``, each checkpoint is an adapter; it is merged into the base (``lora_publish:
+merged``) and the merged model published as a full or delta snapshot.
+
 A retried flow run finds its training job (the submit marker) and its place (the watch cursor):
 what an earlier attempt handled is reported again without hot-loading it again."""
 
@@ -13,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
-from posttrain.pipeline.tasks.publishing import hot_load, publish_checkpoint
+from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table
 from posttrain.pipeline.tasks.staging import stage
@@ -53,7 +56,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
     check_reward_funcs(settings.trainer.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
-    trainer = trainer_config(settings.trainer, mode="grpo", model_name_or_path=settings.base_model,
+    trainer = trainer_config(settings.trainer, settings.lora, mode="grpo", model_name_or_path=settings.base_model,
                              output_dir=run_dir / "output", dataset_manifest=staged.manifest_path)
     job = submit(settings.cluster, settings.run_name, trainer, str(run_dir / "training-job.json"), card=card)
     total = trainer.max_steps or 1
@@ -63,11 +66,11 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
     # again finds it published (uploads nothing); it is not hot-loaded again.
     for ckpt in handled_before(job, cursor_path):
-        snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
+        snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
         rows.append(snapshot_row(ckpt.step, snapshot)
                     | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
     for ckpt in watch_job(job, settings.cluster, cursor_path, settings.watch_poll_s):
-        snapshot = publish_checkpoint(str(ckpt.path), ckpt.step, settings)
+        snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
         row = snapshot_row(ckpt.step, snapshot)
         if settings.inference:
             loaded = hot_load(snapshot, settings)

@@ -1,7 +1,9 @@
-"""Tasks that publish checkpoints (``Publisher.publish_step``) and hot-load them (the deployment block's loader)."""
+"""Tasks that publish checkpoints (``Publisher.publish_step``), merge LoRA checkpoints into their
+base first (``lora.merge``), and hot-load them (the deployment block's loader)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -10,6 +12,8 @@ from prefect.tasks import exponential_backoff
 
 from posttrain.chain.policy import ChainPolicy
 from posttrain.inference.contract import HotLoadResult
+from posttrain.lora import is_adapter_dir
+from posttrain.lora.merge import merge_adapter
 from posttrain.pipeline.settings import RunSettings
 from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import load_block
@@ -41,6 +45,31 @@ def publish_checkpoint(checkpoint: str, step: int, run: RunSettings) -> Publishe
                           done.stored_bytes, done.uploaded_bytes)
     events.snapshot_published(run.run_name, run.store, done)
     return done
+
+
+@task(name="merge-lora", retries=2, retry_delay_seconds=exponential_backoff(2),
+      retry_condition_fn=transient_only, task_run_name="merge-step-{step}")
+def merge_lora(adapter: str, step: int, run: RunSettings) -> str:
+    """Merge a LoRA checkpoint into the run's base: ``<run dir>/merged/checkpoint-<step>``, a model
+    folder the publisher encodes like any other. A merge left by an earlier attempt is complete (it
+    is moved into place only when finished) and is used as it is."""
+    out = run.run_dir / "merged" / f"checkpoint-{step}"
+    if not out.exists():
+        result = merge_adapter(adapter, run.base_model, out)
+        get_run_logger().info("merged %s into %s: %d of %d tensors changed", adapter, run.base_model,
+                              result.merged_tensors, result.total_tensors)
+    return str(out)
+
+
+def publish_weights(checkpoint: str, step: int, run: RunSettings) -> PublishedSnapshot:
+    """Publish a checkpoint; a LoRA checkpoint (``lora_publish: merged``) is merged into the base first
+    and the merged folder removed once published (the publisher keeps its own copy as the next base)."""
+    if not (run.lora.use_lora and is_adapter_dir(checkpoint)):
+        return publish_checkpoint(checkpoint, step, run)
+    merged = merge_lora(checkpoint, step, run)
+    snapshot = publish_checkpoint(merged, step, run)
+    shutil.rmtree(merged, ignore_errors=True)
+    return snapshot
 
 
 def retried(exc: BaseException) -> bool:
