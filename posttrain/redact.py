@@ -25,8 +25,9 @@ from urllib.parse import quote
 MASK = "***"
 # S3 credentials boto3 reads from the environment.
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-# Shorter values would mask ordinary words in messages.
-MIN_LENGTH = 4
+# Shorter values would mask ordinary words in messages and paths ("test" in "pytest"). Real
+# credentials are longer (AWS key ids 20 characters, secret keys 40); a shorter one is not scrubbed.
+MIN_LENGTH = 8
 URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/?#\s@'\"]+@")
 
 _known: set[str] = set()

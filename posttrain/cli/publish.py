@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--region", help="S3 region")
     p.add_argument("--profile", help="AWS profile for credentials")
     p.add_argument("--part-size", type=int, help="multipart part size in bytes (CoreWeave advises >= 50 MB)")
+    p.add_argument("--outage-retry", type=float, metavar="SECONDS",
+                   help="keep retrying this long while the S3 store is unreachable (default 120; 0: fail at once)")
     p.set_defaults(func=cmd_publish)
 
 
@@ -84,7 +86,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         raise UsageError(describe_validation_error(e, OPTION_NAMES)) from None
     steps = _steps(args)
     options = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region),
-                                 ("profile", args.profile), ("part_size", args.part_size)) if v is not None}
+                                 ("profile", args.profile), ("part_size", args.part_size),
+                                 ("outage_retry_s", args.outage_retry)) if v is not None}
 
     def report(p) -> None:
         print(f"published {p.kind} {p.identity} (step {p.step}): {human_bytes(p.stored_bytes)}, "

@@ -163,6 +163,4 @@ def test_chain_apply_of_a_version_missing_from_an_s3_store(moto_bucket, tmp_path
     proc = posttrain("chain", "apply", f"s3://{bucket}/none", "--version", "step-00000003-abc", "--out",
                      tmp_path / "out", "--endpoint-url", endpoint, "--cache", tmp_path / "cache", env=env)
     line = one_error(proc)
-    # (moto's access key id, "test", is in the CLI's environment: the scrubber masks it in the bucket's name too)
-    assert line.startswith("snapshot step-00000003-abc is not in the store (s3://posttrain-")
-    assert line.replace("***", "test").startswith(f"snapshot step-00000003-abc is not in the store (s3://{bucket}/none")
+    assert line.startswith(f"snapshot step-00000003-abc is not in the store (s3://{bucket}/none")

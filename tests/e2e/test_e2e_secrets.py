@@ -88,12 +88,12 @@ def test_planted_token_and_s3_secret_never_show(trained_run: TrainedRun, seaweed
     closed = f"http://127.0.0.1:{free_port()}"
     failed = posttrain("publish", ckpts[0], "--store", f"s3://{bucket}/{prefix}-closed", "--run", "sec",
                        "--work-dir", str(tmp_path / "pub-closed"), "--endpoint-url", closed, "--region", "us-east-1",
-                       env=env)
+                       "--outage-retry", "0", env=env)
     said += [failed.stdout, failed.stderr]
     assert failed.returncode != 0 and closed in failed.stderr, failed.stderr
 
     # the same failure in process: the exception and its whole chain
-    store = S3Store(S3StoreConfig(bucket=bucket, prefix="p", **{**s3_options(closed), "max_attempts": 2}))
+    store = S3Store(S3StoreConfig(bucket=bucket, prefix="p", **{**s3_options(closed), "max_attempts": 2, "outage_retry_s": 0}))
     publisher = Publisher(store, PublishConfig(run="sec", work_dir=tmp_path / "pub-inproc", async_publish=False,
                                                policy=ChainPolicy()))
     with pytest.raises((PublishError, StorageError), match=re.escape(closed)) as info:
