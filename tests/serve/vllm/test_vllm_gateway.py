@@ -121,7 +121,7 @@ def test_bad_versions_fail_naming_the_tensor_and_the_previous_one_stays_served(g
 
     cases = [(missing.identity, None, "model.layers.0.mlp.up_proj.weight"),
              (wrong.identity, None, "model.layers.1.mlp.down_proj.weight"),
-             (corrupt.identity, last, "model.")]  # the tensor whose checksum fails
+             (corrupt.identity, last, shard.name)]  # the file its checksums (posttrain.checksums.json) refuse
     for identity, base, named in cases:
         with pytest.raises(HotLoadFailed) as info:
             loader.hot_load(identity, base_identity=base)
