@@ -71,8 +71,14 @@ class SnapshotResult:
         return self.raw_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def checkpoint_step(path: Path) -> int:
-    """The training step of a checkpoint folder: its name, else trainer_state.json, else 0."""
+class NoStep(ChainError):
+    """A checkpoint folder whose step can be read neither from its name nor from trainer_state.json."""
+
+
+def checkpoint_step(path: Path, default: int | None = None) -> int:
+    """The training step of a checkpoint folder: ``checkpoint-<N>`` in its name, else ``global_step``
+    of its ``trainer_state.json``, else ``default``; ``NoStep`` when there is none and no default
+    (never a silent 0)."""
     m = CHECKPOINT_STEP_RE.search(path.name)
     if m:
         return int(m.group(1))
@@ -80,11 +86,15 @@ def checkpoint_step(path: Path) -> int:
     if state.is_file():
         try:
             step = json.loads(state.read_text()).get("global_step")
-            if isinstance(step, int):
-                return step
-        except json.JSONDecodeError:
-            pass
-    return 0
+        except (ValueError, AttributeError):
+            raise NoStep(f"{state}: not a JSON object with global_step") from None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step
+        raise NoStep(f"{state}: global_step is {step!r}, not a step number")
+    if default is not None:
+        return default
+    raise NoStep(f"{path}: no step in the folder's name (checkpoint-<N>) and no trainer_state.json; "
+                 "give the step (--step)")
 
 
 def encode_snapshot(
@@ -117,7 +127,7 @@ def encode_snapshot(
     base = Checkpoint.open(base_dir) if base_dir is not None else None
     chain_dir.mkdir(parents=True, exist_ok=True)
     existing = ChainFolder(chain_dir).ordered()
-    step = checkpoint_step(Path(new_dir)) if step is None else step
+    step = checkpoint_step(Path(new_dir), default=0) if step is None else step
     run = run if run is not None else chain_dir.resolve().name
     kind = "full" if base is None else "delta"
 

@@ -86,7 +86,7 @@ class ChainWriter:
     ) -> SnapshotRecord:
         """Write ``checkpoint`` as the chain's next snapshot; ``base`` holds the head's weights."""
         checkpoint = Path(checkpoint)
-        step = checkpoint_step(checkpoint) if step is None else step
+        step = checkpoint_step(checkpoint, default=0) if step is None else step
         head = self.head()
         new = Checkpoint.open(checkpoint)
         layout = layout_digest(new.layout())

@@ -47,8 +47,8 @@ OPTION_NAMES = {"run": "--run", "max_deltas": "--max-deltas", "delta_budget": "-
 
 def _steps(args: argparse.Namespace) -> list[tuple[int, Path]]:
     """(step, checkpoint) in step order; a missing folder, an unknown or a repeated step is an error."""
+    from posttrain.chain.ops import checkpoint_step
     from posttrain.cli import UsageError
-    from posttrain.publish.content import step_of
 
     for ckpt in args.checkpoints:
         if not ckpt.is_dir():
@@ -61,7 +61,7 @@ def _steps(args: argparse.Namespace) -> list[tuple[int, Path]]:
         return [(args.step, args.checkpoints[0])]
     found: dict[int, Path] = {}
     for ckpt in args.checkpoints:
-        step = step_of(ckpt)
+        step = checkpoint_step(ckpt)
         if step in found:
             raise UsageError(f"{found[step]} and {ckpt} are both step {step}")
         found[step] = ckpt

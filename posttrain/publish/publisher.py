@@ -17,7 +17,7 @@ job when it runs again, with no duplicate, missing or half-written version:
 
 A checkpoint submitted for a step that is claimed already is compared with the claim: the same
 weights are a no-op (retries rely on it), other weights an error. A step comes from the folder
-(``content.step_of``) unless given. One publisher works in a work folder at a time (``lock``).
+(``chain.ops.checkpoint_step``) unless given. One publisher works in a work folder at a time (``lock``).
 
 ``Publisher.publish_step`` publishes one step and returns its snapshot, the one published before
 when it is redone; a publisher given ``owns_store=True`` closes its store when it is closed.
@@ -35,10 +35,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from posttrain.chain.errors import ChainError
 from posttrain.chain.format import Flavor
+from posttrain.chain.ops import checkpoint_step
 from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter, SnapshotRecord
 from posttrain.errors import describe_os_error, naming
-from posttrain.publish.content import checkpoint_content, head_content, step_of
+from posttrain.publish.content import checkpoint_content, head_content
 from posttrain.publish.ledger import (
     Latest,
     Ledger,
@@ -150,7 +151,7 @@ class Publisher:
         checkpoint = Path(checkpoint)
         if not checkpoint.is_dir():
             raise PublishError(f"checkpoint {checkpoint} {'is not a folder' if checkpoint.exists() else 'does not exist'}")
-        step = step_of(checkpoint) if step is None else step
+        step = checkpoint_step(checkpoint) if step is None else step
         if step < 0:
             raise PublishError(f"{checkpoint}: step {step} is negative")
         self._check_settings()

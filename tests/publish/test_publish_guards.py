@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from posttrain.chain.ops import NoStep
+from posttrain.chain.ops import checkpoint_step as step_of
 from posttrain.chain.policy import ChainPolicy
 from posttrain.publish import PublishConfig, Publisher, PublishError
-from posttrain.publish.content import NoStep, checkpoint_content, step_of
+from posttrain.publish.content import checkpoint_content
 from posttrain.publish.ledger import Ledger, LedgerError, StepClaim, published_steps
 from posttrain.publish.lock import WorkDirBusy
 from posttrain.storage import LocalStore

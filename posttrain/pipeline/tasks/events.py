@@ -27,6 +27,7 @@ from typing import Any
 
 from prefect.events import emit_event
 
+from posttrain import redact
 from posttrain.runs.once import JobRecord
 
 _NAMESPACE = uuid.UUID("5d0c0f5e-6b1e-4f4c-9d7a-0c2f3b8a7e11")  # event ids of facts stated once
@@ -96,11 +97,9 @@ def hotload_succeeded(run_name: str, inference: str, identity: str, result, depl
 
 def hotload_failed(run_name: str, inference: str, identity: str, error: BaseException, *, will_retry: bool,
                    deployment_id: str | None = None, secrets: tuple[str, ...] = ()) -> None:
-    """The error's message with every string of ``secrets`` masked, at most ERROR_MAX characters."""
-    message = str(error)
-    for secret in secrets:
-        if secret:
-            message = message.replace(secret, "***")
+    """The error's message with every string of ``secrets`` and every known secret masked
+    (``redact.scrub``), at most ERROR_MAX characters."""
+    message = redact.scrub(error, secrets)
     payload = {"run_name": run_name, "inference": inference, "identity": identity,
                "error_type": type(error).__name__, "error": message[:ERROR_MAX], "will_retry": will_retry}
     resource = _deployment(inference, identity, deployment_id, **{"posttrain.will-retry": str(will_retry).lower()})
@@ -125,7 +124,7 @@ def job_event(state: str, job: JobRecord, reason: str | None = None,
     payload = {"job_id": job.job_id, "backend": job.backend, "run_name": run_name, "job_name": job.name,
                "log_path": job.log_path}
     if reason is not None:
-        payload["reason"] = reason[:ERROR_MAX]
+        payload["reason"] = redact.scrub(reason)[:ERROR_MAX]
     event = f"posttrain.job.{state}"
     _emit(event, job_resource(job), [run_resource(run_name), *(related or [])], payload,
           id=_once(event, run_name, job.backend, job.job_id))
