@@ -1,7 +1,8 @@
 """LoRA adapters published alone (``lora_publish: adapter``) and hot-loaded into REAL vLLM (CPU
 build) through the gateway: each adapter version answers with the same greedy tokens (and
 logprobs) as the merged model, a bad adapter never reaches vLLM and leaves the previous one
-served, and a merged model hot-loaded afterwards answers the same as its adapter did.
+served, a killed vLLM comes back with the adapter, and a merged model hot-loaded afterwards
+answers the same as its adapter did.
 
 The base ties its embeddings (the tiny model's default): vLLM's CPU build reloads such a model
 wrongly in place, so a merged version is switched by restarting vLLM, while an adapter loads in
@@ -9,6 +10,9 @@ place on top of the unchanged base."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +105,20 @@ def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(ga
     replicas = api.get(f"/v1alpha1/inference/hotLoads/{api.ops()[0]['spec']['id']}/replicas").json()["replicas"]
     assert [r["currentSnapshotIdentity"] for r in replicas] == [ids[1]]
 
+    # a killed vLLM comes back on the base with the adapter loaded again
+    for pid in gateway.engine.replicas[0].process.pids():
+        os.kill(pid, signal.SIGKILL)
+    op = api.ops()[0]["spec"]["id"]
+    states: list[str] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not ("ERROR" in states and states[-1] == "READY"):
+        states.append(api.get(f"/v1alpha1/inference/hotLoads/{op}/replicas").json()["replicas"][0]["state"])
+        time.sleep(0.5)
+    assert "ERROR" in states and states[-1] == "READY", states[-5:]
+    got, stamped = _served(api)
+    assert stamped == ids[1]
+    assert_matches(got, refs[1])
+
     for identity, base, named in [(ids[2], None, "r=32"), (ids[3], None, "was trained on base")]:
         with pytest.raises(HotLoadFailed) as info:
             loader.hot_load(identity, base_identity=base)
@@ -114,3 +132,5 @@ def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(ga
     got, stamped = _served(api)
     assert merged.identity == stamped == ids[4]
     assert_matches(got, refs[1])
+    with pytest.raises(HotLoadFailed, match="was trained on base"):  # not on the merged model served now
+        loader.hot_load(ids[0])
