@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vllm: --max-model-len of the vLLM servers it starts (default 4096)")
     p.add_argument("--engine-arg", action="append", default=[], dest="engine_args", metavar="ARG",
                    help="vllm: one more argument for the vLLM servers it starts, e.g. --engine-arg=--max-num-seqs=64")
+    p.add_argument("--engine-max-lora-rank", type=int,
+                   help="vllm: load LoRA adapters published alone (lora_publish: adapter) at run time, up to this "
+                   "rank (--enable-lora --max-lora-rank); default off")
     p.add_argument("--reload", choices=["auto", "in-place", "restart"], default="auto",
                    help="vllm: take new weights in place, by restarting the engine, or auto (restart only where "
                    "in place cannot be trusted: tied embeddings)")
@@ -69,7 +72,8 @@ def _engine_fields(args: argparse.Namespace) -> dict:
         return {}
     if args.engine == "sglang":
         return {"engine_urls": args.engine_urls}
-    vllm = {"dtype": args.engine_dtype, "max_model_len": args.engine_max_model_len, "extra_args": args.engine_args}
+    vllm = {"dtype": args.engine_dtype, "max_model_len": args.engine_max_model_len, "extra_args": args.engine_args,
+            "max_lora_rank": args.engine_max_lora_rank}
     if args.engine_python is not None:
         vllm["python"] = args.engine_python
     return {"engine_urls": args.engine_urls, "vllm": vllm}

@@ -119,16 +119,10 @@ class LoraGroup(LoraSettings):
                            "instead of all weights.")
     lora_publish: Literal["merged", "adapter"] = Field(
         "merged", description="With use_lora: merged publishes base + adapter as full/delta snapshots of the model "
-        "(any engine); adapter would publish the adapter alone for engines that load LoRA at run time (not yet).",
+        "(any engine); adapter publishes the adapter alone (its own full/delta snapshots), which only a deployment "
+        "that loads LoRA at run time can hot-load (posttrain serve --engine vllm --engine-max-lora-rank N); other "
+        "deployments refuse it at hot-load, naming lora_publish.",
     )
-
-    @field_validator("lora_publish")
-    @classmethod
-    def _publish(cls, v: str) -> str:
-        if v == "adapter":
-            raise ValueError("adapter publishing is not supported yet: the hot-load API and the reference server "
-                             "load full or delta snapshots of a whole model; use merged")
-        return v
 
     def trainer_lora(self) -> LoraSettings | None:
         """The trainer's lora section, or None without use_lora."""

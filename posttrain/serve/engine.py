@@ -18,10 +18,12 @@ from posttrain.errors import TransientError
 @dataclass(frozen=True)
 class Served:
     """What an engine serves: the snapshot identity (None for boot weights that record none) and
-    the folder holding those weights (the held version a delta is rebuilt from)."""
+    the folder holding those weights (the held version a delta is rebuilt from). For a LoRA adapter
+    published alone, ``path`` is the adapter's folder and ``base`` the model folder it is served on."""
 
     identity: str | None
     path: Path
+    base: Path | None = None
 
 
 class EngineError(Exception):

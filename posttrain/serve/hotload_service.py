@@ -185,9 +185,10 @@ class HotLoadService:
         if resumed is None:
             log.info("booted clean: serving the boot weights %s (no earlier version to resume in %s)",
                      self.boot_dir or "", self.work_dir)
-        served = self.engine.current().path.resolve()
+        current = self.engine.current()
+        held = {p.resolve() for p in (current.path, current.base) if p is not None}
         for leftover in models.iterdir():
-            if leftover.resolve() != served:
+            if leftover.resolve() not in held:
                 log.info("removing %s, a rebuilt version no longer served", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
         self._save()
@@ -281,9 +282,10 @@ class HotLoadService:
 
             reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
             t = self._stage(op, "apply", t)
-            self.engine.load(out, op.identity)
+            now = self.engine.load(out, op.identity)
             self._save()  # recorded before the previous folder goes: a restart always finds what it names
-            self._discard(before.path)
+            for folder in {before.path, before.base} - {now.path, now.base, None}:  # an adapter's base stays
+                self._discard(folder)
             self._stage(op, "load", t)
             self.source.forget(fetched)  # the served folder holds this version now: keep the cache empty
             self._finish(op, op.identity, t0)

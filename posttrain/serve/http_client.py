@@ -77,6 +77,15 @@ class HTTPEngineClient:
         except ValueError as e:
             raise EngineCallError(response.status_code, f"{method} {path}: not JSON: {response.text[:500]!r}") from e
 
+    def _text(self, method: str, path: str, **kw: Any) -> str:
+        """A request whose 200 answer is plain text (vLLM's LoRA routes); errors as ``_json``'s."""
+        response = self._request(method, path, **kw)
+        if response.status_code != 200:
+            message = error_message(response)
+            self._drop_connections()
+            raise EngineCallError(response.status_code, f"{method} {path}: {message}")
+        return response.text
+
     def _answers(self, path: str, timeout: float) -> bool:
         """True when ``GET path`` answers 200 within ``timeout``."""
         try:

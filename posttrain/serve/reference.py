@@ -11,6 +11,8 @@ import logging
 import threading
 from pathlib import Path
 
+from posttrain.lora.packed import is_packed_adapter
+from posttrain.serve.adapters import refuse_adapters
 from posttrain.serve.completions import build_response, parse_request
 from posttrain.serve.engine import Served
 from posttrain.serve.model_slot import ModelSlot, ServedModel, load_served, resolve_device
@@ -41,6 +43,8 @@ class ReferenceEngine:
 
     def load(self, folder: Path, identity: str) -> Served:
         """Load ``folder`` like the served model (same tensor names, shapes, dtypes) and swap it in."""
+        if is_packed_adapter(folder):
+            raise refuse_adapters("reference", folder)
         new = load_served(folder, self.device, like=self.slot.current(), identity=identity)
         self.slot.swap(new)
         return Served(new.identity, new.path)

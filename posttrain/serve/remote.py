@@ -15,6 +15,12 @@ embeddings its CPU build keeps the old LM head. So a hot-load here:
 4. on any failure puts every replica back on the previous version (restarting an engine that a
    failed reload broke) and raises, so the previous version is still served.
 
+A LoRA adapter published alone (a packed adapter folder, ``lora.packed``) is loaded on top of the
+base the engines hold, when the engine kind loads adapters at run time (``max_lora_rank``: vLLM's
+``/v1/load_lora_adapter``): checked first (``adapters``: rank, base fingerprint), loaded into each
+replica under its snapshot identity, probed, and only then are requests for the model routed to
+it and the previous adapter unloaded; a failure unloads it again, leaving the previous version.
+
 A replica is an engine server this gateway started and supervises (an ``EngineProcess``:
 restarted on the served version when it dies, reported ERROR until then), or one at a URL that
 someone else runs (reported ERROR while it does not answer its health probe). Engine kinds plug in an ``EngineClient`` (``vllm.client``, ``sglang``).
@@ -31,6 +37,8 @@ from pathlib import Path
 
 from posttrain import redact
 from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
+from posttrain.lora.packed import is_packed_adapter
+from posttrain.serve.adapters import PEFT_DIR, BaseCheck, refuse_adapters, unpacked
 from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
 from posttrain.serve.completions import RequestError, check_request_size
 from posttrain.serve.engine import EngineCallError, EngineClient, EngineError, EngineProcess, Served
@@ -55,9 +63,10 @@ class Replica:
 class RemoteEngine:
     def __init__(self, *, kind: str, model_dir: Path, model_name: str, replicas: list[Replica],
                  reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0,
-                 max_request_tokens: int | None = None):
+                 max_request_tokens: int | None = None, max_lora_rank: int | None = None):
         """``reload``: in-place, restart, or auto (restart when ``restart_when_tied`` and the model ties
-        its embeddings: an engine kind whose in-place reload gets that wrong)."""
+        its embeddings: an engine kind whose in-place reload gets that wrong). ``max_lora_rank``: the
+        replicas load LoRA adapters at run time up to this rank; None refuses adapters."""
         if not replicas:
             raise ValueError(f"the {kind} engine needs at least one replica")
         self.kind = kind
@@ -71,6 +80,10 @@ class RemoteEngine:
         self.layout: Layout = folder_layout(model_dir)
         self.max_positions = _max_positions(model_dir)
         self._served = Served(recorded_version(model_dir), model_dir)
+        self.max_lora_rank = max_lora_rank
+        self._base_dir = model_dir  # the model folder the engines hold; an adapter is served on top of it
+        self._adapter: str | None = None  # the engines' name of the adapter requests go to; None: the base
+        self._base_check = BaseCheck(model_dir)
         self._gate = Gate()
         self._turn = itertools.count()
         self._closed = threading.Event()
@@ -103,7 +116,7 @@ class RemoteEngine:
             served = self._served
             replica = self._pick()
             try:
-                reply = replica.client.complete(body)
+                reply = replica.client.complete({**body, "model": self._adapter or self.model_name})
             except EngineCallError as e:
                 if e.status == 0:
                     raise RequestError(503, f"{replica.name} did not answer ({e})",
@@ -115,13 +128,15 @@ class RemoteEngine:
         return reply
 
     def load(self, folder: Path, identity: str) -> Served:
+        if is_packed_adapter(folder):
+            return self._load_adapter(folder, identity)
         check_layout(folder, self.layout)
         _add_model_files(folder, self.boot_dir)
         restart = self.reload_mode == "restart" or (
             self.reload_mode == "auto" and self.restart_when_tied and ties_embeddings(folder))
         self._wait_restarts()
         with self._gate.exclusive():
-            previous = self._served
+            previous, previous_base = self._served, self._base_dir
             switched: list[Replica] = []
             try:
                 for r in self.replicas:
@@ -129,19 +144,62 @@ class RemoteEngine:
                         raise EngineError(f"{r.name} is not serving ({r.error})")
                     switched.append(r)
                     with r.lock:  # the monitor leaves a replica alone while it is switched
-                        before = self._fingerprint(r)
+                        before = self._fingerprint(r, self.model_name)
                         self._switch(r, folder, restart)
-                        if self._fingerprint(r) == before and not same_weights(folder, previous.path):
+                        if self._fingerprint(r, self.model_name) == before and not same_weights(folder, previous_base):
                             raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it did "
                                               "not take the new weights")
             except Exception as e:
                 log.warning("hot-load of %s failed (%s); putting %d replica(s) back on %s", identity, e,
                             len(switched), previous.identity or "the boot weights")
                 for r in switched:
-                    self._restore(r, previous.path, restart)
+                    self._restore(r, previous_base, restart)
                 raise
-            self._served = Served(identity, folder)
+            self._served, self._base_dir = Served(identity, folder), folder
+            if not restart:  # a restarted engine has no adapter left to unload
+                self._drop_adapter(self._adapter)  # requests go to the new weights themselves now
+            self._adapter = None
         return self._served
+
+    def _load_adapter(self, folder: Path, identity: str) -> Served:
+        if self.max_lora_rank is None:
+            raise refuse_adapters(self.kind, folder)
+        _, base = unpacked(folder, identity, self.max_lora_rank)
+        self._base_check.check(base, self._base_dir, identity)
+        self._wait_restarts()
+        with self._gate.exclusive():
+            old, loaded = self._adapter, []
+            try:
+                for r in self.replicas:
+                    if r.error is not None:
+                        raise EngineError(f"{r.name} is not serving ({r.error})")
+                    with r.lock:
+                        loaded.append(r)
+                        r.client.load_adapter(identity, folder / PEFT_DIR)
+                        self._fingerprint(r, identity)  # it answers with the adapter
+            except Exception as e:
+                log.warning("hot-load of adapter %s failed (%s); unloading it from %d replica(s), still serving %s",
+                            identity, e, len(loaded), self._served.identity or "the boot weights")
+                self._drop_adapter(identity, loaded)
+                raise
+            self._served, self._adapter = Served(identity, folder, base=self._base_dir), identity
+            self._drop_adapter(old)
+        return self._served
+
+    def _drop_adapter(self, name: str | None, replicas: list[Replica] | None = None) -> None:
+        """Unload adapter ``name`` where it is loaded; one that will not unload only costs a LoRA slot."""
+        if name is None:
+            return
+        for r in self.replicas if replicas is None else replicas:
+            try:
+                r.client.unload_adapter(name)
+            except EngineCallError as e:
+                log.warning("%s: unloading adapter %s failed (%s)", r.name, name, e)
+
+    def _reattach(self, r: Replica) -> None:
+        """After ``r`` restarted on the base: load the adapter requests go to again."""
+        if self._adapter is not None:
+            r.client.load_adapter(self._adapter, self._served.path / PEFT_DIR)
 
     # ------------------------------------------------------------------ switching
     def _switch(self, r: Replica, folder: Path, restart: bool) -> None:
@@ -176,13 +234,15 @@ class RemoteEngine:
                 return
             try:
                 r.process.restart(folder)
+                self._reattach(r)
                 r.error = None
             except Exception as e:  # noqa: BLE001 - reported as the replica's state
                 r.error = f"restart on the previous weights failed: {e}"
 
-    def _fingerprint(self, r: Replica) -> list[float]:
-        """Greedy logprobs of a fixed prompt: what this replica's weights answer (and that it answers)."""
-        body = {"model": self.model_name, "prompt": PROBE_PROMPT, "max_tokens": 2, "temperature": 0.0,
+    def _fingerprint(self, r: Replica, model: str | None = None) -> list[float]:
+        """Greedy logprobs of a fixed prompt: what this replica's weights answer (and that it answers);
+        ``model``: the engines' name to ask (default: what requests go to now)."""
+        body = {"model": model or self._adapter or self.model_name, "prompt": PROBE_PROMPT, "max_tokens": 2, "temperature": 0.0,
                 "logprobs": 1, "prompt_logprobs": 1}
         reply = r.client.complete(body)
         choice = reply["choices"][0]
@@ -223,7 +283,8 @@ class RemoteEngine:
         r.error = f"the engine died; restarting it on {self._served.identity or 'the boot weights'}"
         log.warning("%s: %s", r.name, r.error)
         try:
-            r.process.restart(self._served.path)
+            r.process.restart(self._base_dir)
+            self._reattach(r)
             r.error = None
             log.info("%s serves again", r.name)
         except Exception as e:  # noqa: BLE001 - reported as the replica's state

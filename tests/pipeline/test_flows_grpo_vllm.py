@@ -25,10 +25,9 @@ MODEL = "tiny"
 ROUNDS = 2
 
 
-@pytest.fixture(scope="module")
-def vllm_setup(prefect_api, tmp_path_factory):
+def _setup(root, blocks: str, **vllm):
     """The untied vLLM-sized tiny model, toy prompts, a folder store, the vLLM gateway booted from
-    the model, and the blocks pointing at them."""
+    the model, and the blocks (named ``blocks``) pointing at them."""
     from posttrain.cluster import LocalConfig
     from posttrain.datasets.toy import write_toy_jsonl
     from posttrain.pipeline.blocks import InferenceDeployment, LocalCluster, ObjectStore
@@ -36,7 +35,6 @@ def vllm_setup(prefect_api, tmp_path_factory):
     from posttrain.serve.server import InferenceServer
     from posttrain.serve.vllm.process import VLLMProcessConfig
 
-    root = tmp_path_factory.mktemp("grpo-vllm")
     base = vllm_model(root / "models" / "base", tied=False)  # untied: hot-loads reload in place
     dataset = write_toy_jsonl(root / "data" / "prompts.jsonl", n=8, seed=0, task="mixed")
     store = root / "store"
@@ -45,15 +43,41 @@ def vllm_setup(prefect_api, tmp_path_factory):
     gateway = InferenceServer(ServeConfig(
         model_dir=base, served_model_name=MODEL, port=0, deployment_id=DEPLOYMENT, store=str(store),
         token=SecretStr(token), work_dir=root / "gateway", engine="vllm",
-        vllm=VLLMProcessConfig(log_file=root / "vllm.log"))).start()
+        vllm=VLLMProcessConfig(log_file=root / "vllm.log", **vllm))).start()
     try:
-        LocalCluster(settings=LocalConfig(folder=str(root / "jobs"))).save(BLOCKS, overwrite=True)
-        ObjectStore(uri=str(store)).save(BLOCKS, overwrite=True)
+        LocalCluster(settings=LocalConfig(folder=str(root / "jobs"))).save(blocks, overwrite=True)
+        ObjectStore(uri=str(store)).save(blocks, overwrite=True)
         InferenceDeployment(api_url=gateway.url, gateway_url=gateway.url, deployment_id=DEPLOYMENT, model=MODEL,
-                            token=token, timeout_s=300, poll_interval_s=0.2).save(BLOCKS, overwrite=True)
-        yield {"root": root, "base": base, "dataset": dataset, "store": store, "gateway": gateway, "token": token}
+                            token=token, timeout_s=300, poll_interval_s=0.2).save(blocks, overwrite=True)
+        yield {"root": root, "base": base, "dataset": dataset, "store": store, "gateway": gateway, "token": token,
+               "blocks": blocks}
     finally:
         gateway.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_setup(prefect_api, tmp_path_factory):
+    yield from _setup(tmp_path_factory.mktemp("grpo-vllm"), BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(prefect_api, tmp_path_factory):
+    """The same with LoRA on in vLLM (adapters loaded at run time, rank up to 16)."""
+    yield from _setup(tmp_path_factory.mktemp("grpo-vllm-lora"), f"{BLOCKS}-lora", max_lora_rank=16)
+
+
+def _settings(s: dict, run_name: str, **more):
+    from posttrain.pipeline.settings import GrpoSettings
+
+    blocks = s["blocks"]
+    return GrpoSettings(
+        run_name=run_name, base_model=str(s["base"]), dataset=str(s["dataset"]),
+        shared_dir=str(s["root"] / "shared"), cluster=f"posttrain-local-cluster/{blocks}",
+        store=f"posttrain-object-store/{blocks}", inference=f"posttrain-inference-deployment/{blocks}",
+        rounds=ROUNDS, prompts_per_round=2, shards=2,
+        rollout={"num_generations": 2, "max_completion_length": 4},
+        trainer={"learning_rate": 1e-3, "use_cpu": True}, **more,
+    )
 
 
 def _completed_hot_loads(url: str, token: str) -> list[str]:
@@ -74,19 +98,10 @@ def test_grpo_rounds_sample_from_vllm_and_every_rollout_names_its_version(vllm_s
 
     from posttrain.pipeline.flows.grpo import grpo
     from posttrain.pipeline.parameters import to_parameters
-    from posttrain.pipeline.settings import GrpoSettings
     from posttrain.rollouts.format import load_rollouts
 
     s = vllm_setup
-    settings = GrpoSettings(
-        run_name="flows-grpo-vllm", base_model=str(s["base"]), dataset=str(s["dataset"]),
-        shared_dir=str(s["root"] / "shared"), cluster=f"posttrain-local-cluster/{BLOCKS}",
-        store=f"posttrain-object-store/{BLOCKS}", inference=f"posttrain-inference-deployment/{BLOCKS}",
-        rounds=ROUNDS, prompts_per_round=2, shards=2,
-        rollout={"num_generations": 2, "max_completion_length": 4},
-        trainer={"learning_rate": 1e-3, "use_cpu": True},
-    )
-    state = grpo(**to_parameters(settings), return_state=True)
+    state = grpo(**to_parameters(_settings(s, "flows-grpo-vllm")), return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
     assert [row["round"] for row in report.rounds] == list(range(ROUNDS))
@@ -108,3 +123,34 @@ def test_grpo_rounds_sample_from_vllm_and_every_rollout_names_its_version(vllm_s
     assert _completed_hot_loads(s["gateway"].url, s["token"]) == [*published, report.final_snapshot]
     assert seen <= set(published)  # no rollout from a version the flow did not publish
     assert all((s["store"] / identity).is_dir() for identity in [*published, report.final_snapshot])
+
+
+@pytest.mark.timeout(300)
+def test_grpo_lora_adapter_publishing_samples_from_the_adapter_vllm_loaded(lora_setup):
+    """lora_publish: adapter: round 0 publishes the base (a model snapshot, reloaded in place with
+    LoRA on), later rounds the adapter alone (its own full snapshot, then a delta), which the gateway
+    loads into vLLM at run time; every rollout names the adapter version that sampled it."""
+    from pathlib import Path
+
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.parameters import to_parameters
+    from posttrain.rollouts.format import load_rollouts
+
+    s = lora_setup
+    settings = _settings(s, "flows-grpo-vllm-lora", lora={"use_lora": True, "r": 8, "lora_alpha": 16,
+                                                          "target_modules": ["q_proj", "v_proj"],
+                                                          "lora_publish": "adapter"})
+    state = grpo(**to_parameters(settings), return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    kinds = [row["kind"] for row in report.rounds]
+    assert kinds == ["full", "full"]  # the base, then the adapter (another layout: a full snapshot of its own)
+    run_dir = Path(report.run_dir)
+    for r, identity in enumerate(row["snapshot"] for row in report.rounds):
+        rollouts, _ = load_rollouts(run_dir / "rounds" / f"{r:04d}" / "rollouts.jsonl")
+        assert {(x.policy_version, x.snapshot_identity) for x in rollouts} == {(r, identity)}, f"round {r}"
+    published = [row["snapshot"] for row in report.rounds]
+    assert _completed_hot_loads(s["gateway"].url, s["token"]) == [*published, report.final_snapshot]
+    served = s["gateway"].engine.current()
+    assert served.identity == report.final_snapshot and (served.path / "peft" / "adapter_config.json").is_file()
+    assert not (run_dir / "packed").exists() or not any((run_dir / "packed").iterdir())  # removed once published

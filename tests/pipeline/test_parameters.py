@@ -116,7 +116,9 @@ def test_lora_group_is_flat_and_reaches_the_trainer():
     lora = trainer_config(on.trainer, on.lora, mode="grpo", model_name_or_path="/m", output_dir="/o",
                           dataset_manifest="/d.json").lora
     assert (lora.r, lora.lora_alpha, lora.target_modules) == (8, 32, ["q_proj"])
-    with pytest.raises(ParameterError, match="lora_publish: adapter publishing is not supported yet"):
-        from_parameters(NightlySettings, {**NIGHTLY, "use_lora": True, "lora_publish": "adapter"})
+    assert from_parameters(NightlySettings, {**NIGHTLY, "use_lora": True, "lora_publish": "adapter"}).lora.lora_publish \
+        == "adapter"
+    with pytest.raises(ParameterError, match="^lora_publish: "):
+        from_parameters(NightlySettings, {**NIGHTLY, "use_lora": True, "lora_publish": "both"})
     with pytest.raises(ParameterError, match="^r: "):
         from_parameters(NightlySettings, {**NIGHTLY, "r": 0})

@@ -1,7 +1,8 @@
 """The nightly post-training flow: stage → train → watch checkpoints → publish and hot-load each.
 
 With ``use_lora``, each checkpoint is an adapter; it is merged into the base (``lora_publish:
-merged``) and the merged model published as a full or delta snapshot.
+merged``) and the merged model published as a full or delta snapshot, or published alone
+(``lora_publish: adapter``) for a deployment that loads adapters at run time.
 
 A retried flow run finds its training job (the submit marker) and its place (the watch cursor):
 what an earlier attempt handled is reported again without hot-loading it again."""

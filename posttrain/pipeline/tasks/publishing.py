@@ -1,5 +1,6 @@
 """Tasks that publish checkpoints (``Publisher.publish_step``), merge LoRA checkpoints into their
-base first (``lora.merge``), and hot-load them (the deployment block's loader)."""
+base first (``lora.merge``) or pack them to travel alone (``lora.packed``), and hot-load them (the
+deployment block's loader)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from prefect.tasks import exponential_backoff
 
 from posttrain.chain.policy import ChainPolicy
 from posttrain.inference.contract import HotLoadResult
-from posttrain.lora import is_adapter_dir
+from posttrain.lora import LoraError, base_fingerprint, is_adapter_dir, read_adapter
 from posttrain.lora.merge import merge_adapter
+from posttrain.lora.packed import pack_adapter
 from posttrain.pipeline.settings import RunSettings
 from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import load_block
@@ -61,14 +63,31 @@ def merge_lora(adapter: str, step: int, run: RunSettings) -> str:
     return str(out)
 
 
+@task(name="pack-lora", retries=2, retry_delay_seconds=exponential_backoff(2),
+      retry_condition_fn=transient_only, task_run_name="pack-step-{step}")
+def pack_lora(adapter: str, step: int, run: RunSettings) -> str:
+    """Pack a LoRA checkpoint to be published alone: ``<run dir>/packed/checkpoint-<step>``. It must
+    have been trained on the run's base (by fingerprint), else nothing is packed or published."""
+    out = run.run_dir / "packed" / f"checkpoint-{step}"
+    if not out.exists():
+        found = read_adapter(adapter)
+        if found.base is None or found.base.fingerprint != base_fingerprint(run.base_model):
+            trained_on = f"base {found.base.path}" if found.base else "an unrecorded base"
+            raise LoraError(f"adapter {adapter} was trained on {trained_on}, not on the run's base_model "
+                            f"{run.base_model} (fingerprints differ); nothing was published")
+        pack_adapter(adapter, out)
+    return str(out)
+
+
 def publish_weights(checkpoint: str, step: int, run: RunSettings) -> PublishedSnapshot:
-    """Publish a checkpoint; a LoRA checkpoint (``lora_publish: merged``) is merged into the base first
-    and the merged folder removed once published (the publisher keeps its own copy as the next base)."""
+    """Publish a checkpoint. A LoRA checkpoint is merged into the base first (``lora_publish: merged``)
+    or packed to travel alone (``adapter``), through the same publisher, ledger and chain, and the
+    merged or packed folder is removed once published (the publisher keeps its own copy as the next base)."""
     if not (run.lora.use_lora and is_adapter_dir(checkpoint)):
         return publish_checkpoint(checkpoint, step, run)
-    merged = merge_lora(checkpoint, step, run)
-    snapshot = publish_checkpoint(merged, step, run)
-    shutil.rmtree(merged, ignore_errors=True)
+    prepared = (merge_lora if run.lora.lora_publish == "merged" else pack_lora)(checkpoint, step, run)
+    snapshot = publish_checkpoint(prepared, step, run)
+    shutil.rmtree(prepared, ignore_errors=True)
     return snapshot
 
 

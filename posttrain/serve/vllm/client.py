@@ -1,7 +1,9 @@
 """A small HTTP client for one vLLM OpenAI-compatible server (``vllm.entrypoints``, CPU or GPU).
 
 It speaks the endpoints the gateway needs: ``/health``, ``/v1/models``, ``/v1/completions`` and
-the dev-mode weight reload (``/pause?mode=wait``, ``/collective_rpc`` with ``reload_weights``,
+runtime LoRA adapters (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; the server
+must run with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), and the dev-mode
+weight reload (``/pause?mode=wait``, ``/collective_rpc`` with ``reload_weights``,
 ``/resume``; the server must run with ``VLLM_SERVER_DEV_MODE=1``, on loopback only).
 
 Errors as every engine client's (``http_client``): ``EngineCallError(status, message)`` when vLLM
@@ -60,6 +62,16 @@ class VLLMClient(HTTPEngineClient):
     def resume(self) -> None:
         """Take requests again (``POST /resume``)."""
         self._json("POST", "/resume")
+
+    def load_adapter(self, name: str, folder: Path) -> None:
+        """Load the peft adapter in ``folder`` as model ``name`` (``POST /v1/load_lora_adapter``); the
+        server must run with LoRA on. vLLM checks the folder first: a bad one (missing, a rank over
+        --max-lora-rank) is an ``EngineCallError`` and leaves what it served unchanged."""
+        self._text("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (``POST /v1/unload_lora_adapter``)."""
+        self._text("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
 
 __all__ = ["VLLMClient"]

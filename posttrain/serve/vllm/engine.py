@@ -17,7 +17,9 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
     """vLLM replicas for the gateway, each serving ``config.model_dir`` under the gateway's model name.
 
     vLLM's CPU build reloads a model with tied embeddings wrongly in place (the LM head keeps the
-    old weights), so with ``reload: auto`` such a model is switched by restarting the engine."""
+    old weights), so with ``reload: auto`` such a model is switched by restarting the engine. With
+    ``vllm.max_lora_rank`` the replicas load LoRA adapters published alone at run time (replicas at
+    URLs must run with --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and that rank)."""
     name = config.served_model_name or config.model_dir.resolve().name
     replicas: list[Replica] = []
     try:
@@ -43,4 +45,4 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
         raise
     return RemoteEngine(kind="vllm", model_dir=config.model_dir, model_name=name, replicas=replicas,
                         reload=config.reload, restart_when_tied=True,
-                        max_request_tokens=config.max_request_tokens)
+                        max_request_tokens=config.max_request_tokens, max_lora_rank=config.vllm.max_lora_rank)

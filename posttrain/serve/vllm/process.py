@@ -73,6 +73,12 @@ class VLLMProcessConfig(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="vLLM's --max-num-seqs (sequences per batch).")
     max_logprobs: int = Field(20, ge=0, description="vLLM's --max-logprobs (most logprobs a request may ask).")
     kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE: the CPU KV cache in GiB.")
+    max_lora_rank: int | None = Field(
+        None, ge=1, description="Load LoRA adapters at run time (--enable-lora, runtime LoRA updating) up to this "
+        "rank (--max-lora-rank); None: LoRA off, adapters are refused."
+    )
+    max_loras: int = Field(2, ge=2, description="vLLM's --max-loras with LoRA on: the served adapter and the next "
+                           "one, resident together while a hot-load switches.")
     extra_args: list[str] = Field(default_factory=list, description="More command-line arguments for vLLM.")
     log_file: Path | None = Field(
         None, description="Where vLLM's output goes, appended (default: a file named after the port in /tmp)."
@@ -140,6 +146,8 @@ class VLLMProcess:
             "--served-model-name", c.served_model_name, "--host", HOST, "--port", str(self.port),
             "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--enforce-eager",
             "--max-num-seqs", str(c.max_num_seqs), "--max-logprobs", str(c.max_logprobs),
+            *(["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
+              if c.max_lora_rank else []),
             *c.extra_args,
         ]  # fmt: skip
 
@@ -156,6 +164,8 @@ class VLLMProcess:
             raise EngineStartError(f"port {self.port} on {HOST} is taken by another process")
         env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
         env.update(VLLM_ENV, VLLM_CPU_KVCACHE_SPACE=str(self.config.kv_cache_space_gib))
+        if self.config.max_lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_file, "ab") as out:
