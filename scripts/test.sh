@@ -3,6 +3,8 @@
 # accounting, SeaweedFS S3, PostgreSQL and a Prefect server on it; vLLM's venv), run the whole test
 # suite, stop what it started.
 #   PYTEST_ARGS           extra pytest arguments (e.g. "-k chain -x")
+#   POSTTRAIN_TEST_WORKERS  pytest-xdist workers (default 2): the Prefect and Slurm tests run in one,
+#                         one after another (tests/conftest.py); the other modules share the rest
 #   POSTTRAIN_PREFECT_DB  postgres (default here) or sqlite: the Prefect server's database; the
 #                         flows read it too (on sqlite their rollout shards take turns to start)
 set -euo pipefail
@@ -43,7 +45,7 @@ export POSTTRAIN_REQUIRE_SERVICES=1
 
 set +e
 # shellcheck disable=SC2086
-.venv/bin/python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} tests
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${POSTTRAIN_TEST_WORKERS:-2}" --dist loadgroup ${PYTEST_ARGS:-} tests
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

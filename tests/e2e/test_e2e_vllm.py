@@ -74,6 +74,8 @@ def test_trained_checkpoints_are_served_by_vllm_exactly(tied, seaweedfs_bucket, 
     try:
         assert_matches(_served(server.url)[0], transformers_greedy(base, PROMPTS))
         answers = []
+        if tied:  # each hot-load restarts vLLM (~25 s here): a full and a delta show both paths
+            checkpoints = [checkpoints[0], checkpoints[-1]]
         for step, ckpt in enumerate(checkpoints, start=1):
             published = publisher.publish_step(ckpt, step)
             pids = set(server.engine.replicas[0].process.pids())
@@ -86,7 +88,7 @@ def test_trained_checkpoints_are_served_by_vllm_exactly(tied, seaweedfs_bucket, 
             restarted = not pids & set(server.engine.replicas[0].process.pids())
             assert restarted == tied, "tied embeddings: a restart on the new weights; untied: a reload in place"
             answers.append(got)
-        assert [s.kind for s in publisher.published] == ["full", "delta", "delta"]
+        assert [s.kind for s in publisher.published] == ["full"] + ["delta"] * (len(checkpoints) - 1)
         assert answers[0] != answers[-1], "training must change what vLLM serves"
     finally:
         loader.close()

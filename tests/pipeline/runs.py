@@ -70,6 +70,27 @@ def wait_final(flow_run_id: str | UUID, timeout: float = 240):
         time.sleep(0.5)
 
 
+def run_folder(setup, run: str, flow_run_id: str) -> Path:
+    """Where a flow run of run name ``run`` works: ``<shared>/runs/<run>-<first 8 hex of its id>``."""
+    return setup.shared_dir / "runs" / f"{run}-{flow_run_id.replace('-', '')[:8]}"
+
+
+def wait_submitted(setup, worker, run: str, flow_run_id: str, marker: str = "training-job.json",
+                   timeout: float = 120):
+    """Once the flow run submitted the training job recorded in ``marker`` (a path in its run folder):
+    the job's record. Fails at once when the run ends first."""
+    from posttrain.runs.once import JobRecord
+
+    path = run_folder(setup, run, flow_run_id) / marker
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        state = read_flow_run(flow_run_id).state
+        assert not state.is_final(), f"{state.name}: {state.message}\n{worker.tail()}"
+        assert time.monotonic() < deadline, f"no training job submitted in {timeout} s\n{worker.tail()}"
+        time.sleep(0.5)
+    return JobRecord.model_validate_json(path.read_text())
+
+
 def wait_not_final(flow_run_id: str | UUID, timeout: float = 30):
     """Wait until a retried flow run has left its final state (it is scheduled again)."""
     deadline = time.monotonic() + timeout

@@ -1,8 +1,10 @@
 """Cancelling a nightly or GRPO deployment run stops its training job (real Prefect server, process
-worker; the local trainer, and Slurm's when the suite runs it)."""
+worker). A nightly run's local trainer is cancelled in test_flows_concurrency.py (the run holding
+the deployment's slot), a nightly run's Slurm job (on two nodes) in test_flows_multinode.py."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,10 +17,10 @@ from tests.pipeline.run_events import named, wait_events
 from tests.pipeline.runs import (
     flow_run_logs,
     prefect_cli,
-    read_flow_run,
     start_deployment,
     task_runs,
     wait_final,
+    wait_submitted,
 )
 
 pytestmark = pytest.mark.slow
@@ -30,24 +32,13 @@ pytestmark = pytest.mark.slow
 LOCAL_STOP_S = 60
 
 
-def instance(run: str, flow_run_id: str) -> str:
-    return f"{run}-{flow_run_id.replace('-', '')[:8]}"
-
-
 def start_until_submitted(tiny_setup, process_worker, deployment: str, run: str, settings: dict,
                           marker: str) -> tuple[str, JobRecord]:
     """Start a deployment run of ``settings`` (run name ``run``); once it submitted the training job
     recorded in ``marker`` (a path in its run folder), its flow run id and the job's record."""
     proc, flow_run_id = start_deployment(deployment, settings)
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    path = tiny_setup.shared_dir / "runs" / instance(run, flow_run_id) / marker
-    deadline = time.monotonic() + 120
-    while not path.exists():
-        state = read_flow_run(flow_run_id).state
-        assert not state.is_final(), f"{state.name}: {state.message}\n{process_worker.tail()}"
-        assert time.monotonic() < deadline, f"no training job submitted in 120 s\n{process_worker.tail()}"
-        time.sleep(0.5)
-    return flow_run_id, JobRecord.model_validate_json(path.read_text())
+    return flow_run_id, wait_submitted(tiny_setup, process_worker, run, flow_run_id, marker)
 
 
 def start_long_run(tiny_setup, process_worker, run: str, **settings) -> tuple[str, JobRecord]:
@@ -109,14 +100,6 @@ def cancel_and_check_stopped(flow_run_id: str, job: JobRecord) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_cancelling_a_nightly_run_stops_its_local_trainer(process_worker, tiny_setup):
-    flow_run_id, job = start_long_run(tiny_setup, process_worker, "flows-cancel")
-    wait_for_trainer(job, process_worker)
-    stopped_s = cancel_and_check_stopped(flow_run_id, job)
-    print(f"trainer gone {stopped_s:.1f} s after the cancel request")
-
-
-@pytest.mark.timeout(300)
 def test_cancelling_a_grpo_run_stops_its_training_step(process_worker, tiny_setup):
     # One round of one prompt; its training step takes num_iterations optimizer steps on the round's
     # two rollouts, milliseconds each on the tiny model: a million of them outlast the test by far.
@@ -133,43 +116,6 @@ def test_cancelling_a_grpo_run_stops_its_training_step(process_worker, tiny_setu
 
 
 def sacct_state(job_id: str) -> str:
-    import subprocess
-
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True,
                          timeout=20).stdout.split()
     return out[0] if out else ""
-
-
-@pytest.mark.timeout(360)
-@pytest.mark.usefixtures("slurm_cluster")
-def test_cancelling_a_nightly_run_on_slurm_cancels_its_job(process_worker, tiny_setup):
-    import sys
-
-    from posttrain.cluster import SlurmConfig
-    from posttrain.pipeline.blocks import SlurmCluster
-    from tests.pipeline.runs import REPO
-
-    SlurmCluster(settings=SlurmConfig(
-        shared_dir=str(tiny_setup.root), image=None, python=sys.executable, nodes=1, gpus_per_node=0,
-        memory="2G", exclusive=False, time_limit="10", launcher="python", poll_interval_s=1,
-        env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})).save("flows-cancel", overwrite=True)
-    flow_run_id, job = start_long_run(tiny_setup, process_worker, "flows-cancel-slurm",
-                                      cluster="posttrain-slurm-cluster/flows-cancel")
-    assert job.backend == "slurm"
-    deadline = time.monotonic() + 60
-    while sacct_state(job.job_id) != "RUNNING":
-        assert time.monotonic() < deadline, f"job {job.job_id} not RUNNING in 60 s: {sacct_state(job.job_id)}"
-        time.sleep(0.5)
-
-    t0 = time.monotonic()
-    cancel = prefect_cli("flow-run", "cancel", flow_run_id)
-    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-    while not sacct_state(job.job_id).startswith("CANCELLED"):
-        assert time.monotonic() - t0 < 30, f"job {job.job_id} {sacct_state(job.job_id)} 30 s after cancelling"
-        time.sleep(0.5)
-    cancelled_s = time.monotonic() - t0
-    run = wait_final(flow_run_id, timeout=60)
-    assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
-    logs = "\n".join(flow_run_logs(flow_run_id))
-    assert f"slurm job {job.job_id} cancelled (scancel" in logs, logs[-3000:]
-    print(f"Slurm job CANCELLED {cancelled_s:.1f} s after the cancel request")

@@ -2,7 +2,11 @@
 collision strategy ENQUEUE) and says so: in the API its state is Scheduled, named
 AwaitingConcurrencySlot; ``prefect deployment run --watch`` prints that state and goes on watching
 until the run has really run; without --watch the command returns at once (exit 0) and the waiting
-run can be withdrawn with ``prefect flow-run cancel``. Real Prefect server and process worker."""
+run can be withdrawn with ``prefect flow-run cancel``. Real Prefect server and process worker.
+
+The run holding the slot is started as a user overrides a deployment: ``--param`` for the fields
+to change, the deployment's values for the rest (checked in the job's trainer config). Cancelling
+it stops its local trainer (test_flows_cancel.cancel_and_check_stopped)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import sys
 import time
 
 import pytest
+import yaml
 
+from posttrain.trainer.config import TrainerConfig
 from tests.pipeline.conftest import NIGHTLY
 from tests.pipeline.runs import (
     REPO,
@@ -20,10 +26,12 @@ from tests.pipeline.runs import (
     flow_run_logs,
     prefect_cli,
     read_flow_run,
+    run_folder,
     start_deployment,
     wait_final,
+    wait_submitted,
 )
-from tests.pipeline.test_flows_cancel import start_long_run
+from tests.pipeline.test_flows_cancel import cancel_and_check_stopped, wait_for_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +49,37 @@ def wait_state_name(flow_run_id: str, name: str, timeout: float = 60):
         time.sleep(0.3)
 
 
+# The fields the first run overrides: a learning rate, and a run that outlasts the test.
+OVERRIDES = {"learning_rate": 5e-5, "max_steps": 100000, "save_steps": 100000}
+
+
+def start_with_overrides(setup, worker) -> tuple[str, object]:
+    """``prefect deployment run nightly --param k=v`` for each of OVERRIDES; once its job is
+    submitted, checks that the job's trainer config has those values and the deployment's for the
+    rest. The flow run id and the job's record."""
+    params = [arg for k, v in OVERRIDES.items() for arg in ("--param", f"{k}={v}")]
+    proc = prefect_cli("deployment", "run", NIGHTLY, *params)
+    first = flow_run_id_in(proc.stdout)
+    assert proc.returncode == 0 and first, proc.stdout + proc.stderr
+    deployment = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"][0]
+    assert set(read_flow_run(first).parameters) == set(deployment["parameters"]) | set(OVERRIDES)
+    job = wait_submitted(setup, worker, "nightly", first)
+    received = yaml.safe_load((REPO / job.log_path).parent.joinpath("trainer.yaml").read_text())
+    expected = TrainerConfig(
+        mode="grpo", model_name_or_path=str(setup.base_model), output_dir=run_folder(setup, "nightly", first) / "output",
+        dataset_manifest=received["dataset_manifest"],
+        reward_funcs=["posttrain.rewards:correctness_reward"],  # prefect.yaml
+        **OVERRIDES,
+    )
+    assert TrainerConfig.model_validate(received) == expected  # and TRL's defaults for the rest
+    assert deployment["parameters"]["max_steps"] != OVERRIDES["max_steps"]
+    return first, job
+
+
 @pytest.mark.timeout(480)
 def test_a_nightly_started_during_another_waits_for_the_slot(process_worker, tiny_setup, tmp_path):
-    first, _ = start_long_run(tiny_setup, process_worker, "flows-limit-first")
+    first, job = start_with_overrides(tiny_setup, process_worker)
+    wait_for_trainer(job, process_worker)
 
     watched = tmp_path / "watch.out"
     with open(watched, "w") as out:  # the second run, started and watched as a user would
@@ -77,10 +113,9 @@ def test_a_nightly_started_during_another_waits_for_the_slot(process_worker, tin
 
         assert watch.poll() is None, watched.read_text()  # still watching the waiting run
         assert read_flow_run(second).state_name == WAITING
-        cancel = prefect_cli("flow-run", "cancel", first)  # the first ends: the slot frees
-        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-        first_run = wait_final(first, timeout=60)
-        assert first_run.state.is_cancelled()
+        stopped_s = cancel_and_check_stopped(first, job)  # the first ends, its trainer stopped: the slot frees
+        print(f"trainer of the first run gone {stopped_s:.1f} s after the cancel request")
+        first_run = read_flow_run(first)
         rc = watch.wait(timeout=300)
     finally:
         if watch.poll() is None:

@@ -1,6 +1,7 @@
 """The nightly deployment of prefect.yaml through a real Prefect server and a process worker:
-a run completes, its schedule is registered, its enforced schema rejects bad parameters, and the
-snapshots land in the store with the inference server serving the last one."""
+runs complete, the snapshots land in the store with the inference server serving the last one,
+the runs' events and artifacts are recorded, its schedule is registered, and its enforced schema
+rejects bad parameters."""
 
 from __future__ import annotations
 
@@ -12,80 +13,92 @@ from posttrain.publish.ledger import Ledger
 from posttrain.storage import open_store
 from tests.pipeline.conftest import NIGHTLY
 from tests.pipeline.runs import prefect_cli, run_deployment, wait_final
+from tests.pipeline.test_flows_events import assert_nightly_events
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(300)
-def test_nightly_deployment_run_completes_and_serves_the_last_snapshot(process_worker, tiny_setup):
-    proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings("flows-nightly"))
+def run_nightly(setup, worker, run: str):
+    """A nightly deployment run of ``run`` to completion; its flow run."""
+    proc, flow_run_id = run_deployment(NIGHTLY, setup.settings(run))
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    run = wait_final(flow_run_id)
-    assert run.state.is_completed(), (f"{run.state_name}: {run.state.message}\n--- CLI\n{proc.stdout[-3000:]}"
-                                      f"\n--- worker\n{process_worker.tail()}")
+    found = wait_final(flow_run_id)
+    assert found.state.is_completed(), (f"{found.state_name}: {found.state.message}\n--- CLI\n{proc.stdout[-3000:]}"
+                                        f"\n--- worker\n{worker.tail()}")
     assert proc.returncode == 0 and "Completed" in proc.stdout
-    assert run.deployment_id is not None and str(run.parameters["run_name"]) == "flows-nightly"
-    assert run.name.startswith("flows-nightly-"), run.name  # named from the run name, not at random
+    assert found.deployment_id is not None and str(found.parameters["run_name"]) == run
+    assert found.name.startswith(f"{run}-"), found.name  # named from the run name, not at random
+    return found
 
-    # Both checkpoints published into the store (ledger of the run, every file of each snapshot)...
-    run_name = f"flows-nightly-{flow_run_id.replace('-', '')[:8]}"  # each flow run works under its own name
-    store = open_store(str(tiny_setup.store))
+
+def ledger_entries(setup, run_name: str) -> list:
+    store = open_store(str(setup.store))
     try:
-        entries = Ledger(store, run_name).entries()
-        latest, _ = Ledger(store, run_name).latest()
+        return Ledger(store, run_name).entries()
     finally:
         store.close()
-    assert [e.step for e in entries] == [1, 2]
-    assert [e.kind for e in entries] == ["full", "delta"]
-    for e in entries:
-        for name, f in e.files.items():
-            path = tiny_setup.store / e.identity / name
-            assert path.is_file() and path.stat().st_size == f.size, path
-    # ...and the deployment serves the last one.
-    assert latest is not None and latest.identity == entries[-1].identity
-    assert tiny_setup.served_identity() == entries[-1].identity
 
-    # The run folder records the one training job.
-    run_dir = tiny_setup.shared_dir / "runs" / run_name
-    assert (run_dir / "training-job.json").is_file()
-    assert (run_dir / "output" / "checkpoint-2").is_dir()
 
-    # Its artifacts, keyed by the user-given run name: watch progress (done), the link to the
-    # training logs, the snapshots table (a delta's % of full; a full snapshot says "full").
+def flow_run_artifacts(*flow_run_ids) -> list:
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter
 
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [run.id]}))
-    found = {(a.type, a.key): a for a in artifacts}
-    assert len(found) == len(artifacts) == 3, [(a.type, a.key) for a in artifacts]  # one card per kind
-    assert found[("progress", "flows-nightly-training-progress")].data == 100.0
-    assert "log:" in str(found[("markdown", "flows-nightly-training-job")].data)
-    table = json.loads(found[("table", "flows-nightly-nightly-snapshots")].data)
-    assert [(r["step"], r["kind"]) for r in table] == [(1, "full"), (2, "delta")]
-    assert table[0]["% of full"] == "full" and 0 < float(table[1]["% of full"]) < 100, table
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": list(flow_run_ids)}))
 
 
 @pytest.mark.timeout(420)
-def test_two_nightly_runs_keep_one_key_per_kind_with_two_versions(process_worker, tiny_setup):
-    """Artifact keys come from the deployment's run name: two nights are two versions of each key."""
+def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(process_worker, tiny_setup):
+    """Two nights of one run name: each completes, publishes both checkpoints, serves the last one and
+    records its events; artifact keys come from the run name, so the nights are two versions of each."""
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter
 
-    run_ids = []
-    for _ in range(2):
-        proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings("flows-history"))
-        assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-        run = wait_final(flow_run_id)
-        assert run.state.is_completed(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
-        assert run.name.startswith("flows-history-"), run.name
-        run_ids.append(run.id)
-    kinds = {"progress": "flows-history-training-progress", "markdown": "flows-history-training-job",
-             "table": "flows-history-nightly-snapshots"}
+    runs = []
+    for night in range(2):
+        run = run_nightly(tiny_setup, process_worker, "flows-nightly")
+        runs.append(run)
+        # Both checkpoints published into the store (ledger of the run, every file of each snapshot)...
+        run_name = f"flows-nightly-{str(run.id).replace('-', '')[:8]}"  # each flow run works under its own name
+        entries = ledger_entries(tiny_setup, run_name)
+        assert [(e.step, e.kind) for e in entries] == [(1, "full"), (2, "delta")]
+        for e in entries:
+            for name, f in e.files.items():
+                path = tiny_setup.store / e.identity / name
+                assert path.is_file() and path.stat().st_size == f.size, path
+        # ...and the deployment serves the last one.
+        assert tiny_setup.served_identity() == entries[-1].identity
+        if night:
+            continue
+        store = open_store(str(tiny_setup.store))
+        try:
+            latest, _ = Ledger(store, run_name).latest()
+        finally:
+            store.close()
+        assert latest is not None and latest.identity == entries[-1].identity
+        # The run folder records the one training job; the run's events tell the same story.
+        run_dir = tiny_setup.shared_dir / "runs" / run_name
+        assert (run_dir / "training-job.json").is_file()
+        assert (run_dir / "output" / "checkpoint-2").is_dir()
+        assert_nightly_events(tiny_setup, str(run.id), run_name, entries)
+
+        # Its artifacts, keyed by the user-given run name: watch progress (done), the link to the
+        # training logs, the snapshots table (a delta's % of full; a full snapshot says "full").
+        artifacts = flow_run_artifacts(run.id)
+        found = {(a.type, a.key): a for a in artifacts}
+        assert len(found) == len(artifacts) == 3, [(a.type, a.key) for a in artifacts]  # one card per kind
+        assert found[("progress", "flows-nightly-training-progress")].data == 100.0
+        assert "log:" in str(found[("markdown", "flows-nightly-training-job")].data)
+        table = json.loads(found[("table", "flows-nightly-nightly-snapshots")].data)
+        assert [(r["step"], r["kind"]) for r in table] == [(1, "full"), (2, "delta")]
+        assert table[0]["% of full"] == "full" and 0 < float(table[1]["% of full"]) < 100, table
+
+    kinds = {"progress": "flows-nightly-training-progress", "markdown": "flows-nightly-training-job",
+             "table": "flows-nightly-nightly-snapshots"}
+    run_ids = [r.id for r in runs]
+    keyed = [a for a in flow_run_artifacts(*run_ids) if a.key]
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": run_ids}))
         history = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": list(kinds.values())}))
-    keyed = [a for a in artifacts if a.key]
     assert {a.key for a in keyed} == set(kinds.values()), keyed
     for kind, key in kinds.items():
         versions = [a for a in keyed if a.key == key]

@@ -1,7 +1,7 @@
 """Prefect events of nightly deployment runs, read back from the server: a run that completes
-records its job's submission and completion, each snapshot published and each hot-load; a run whose
-hot-load fails records the failure, and the example automation (automations/hotload-failed.yaml)
-sends a notification for it."""
+records its job's submission and completion, each snapshot published and each hot-load (checked on
+the run of test_flows_deployment.py, ``assert_nightly_events``); a run whose hot-load fails records
+the failure, and the example automation (automations/hotload-failed.yaml) sends a notification for it."""
 
 from __future__ import annotations
 
@@ -41,17 +41,11 @@ def ledger(setup, name: str) -> list:
         store.close()
 
 
-@pytest.mark.timeout(300)
-def test_a_nightly_run_records_job_snapshot_and_hot_load_events(process_worker, tiny_setup):
-    proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings("flows-events"))
-    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
-    run = wait_final(flow_run_id)
-    assert run.state.is_completed(), f"{run.state_name}: {run.state.message}\n{process_worker.tail()}"
-    name = instance("flows-events", flow_run_id)
-    entries = ledger(tiny_setup, name)
-    assert [(e.step, e.kind) for e in entries] == [(1, "full"), (2, "delta")]
-
-    events = wait_events(flow_run_id, lambda ev: len(named(ev, "posttrain.hotload.succeeded")) == 2
+def assert_nightly_events(setup, flow_run_id: str, name: str, entries: list) -> None:
+    """The events of a completed nightly run (``name``: its run folder's name; ``entries``: its
+    ledger): the job submitted then completed, each snapshot published once, each hot-load.
+    Called by the nightly deployment test of test_flows_deployment.py on its run."""
+    events = wait_events(flow_run_id, lambda ev: len(named(ev, "posttrain.hotload.succeeded")) == len(entries)
                          and named(ev, "posttrain.job.completed"))
     run_id = f"posttrain.run.{name}"
     flow_run = f"prefect.flow-run.{flow_run_id}"
@@ -59,7 +53,7 @@ def test_a_nightly_run_records_job_snapshot_and_hot_load_events(process_worker, 
 
     # The job: submitted, then completed (before the last checkpoints' events, or after: watched).
     (submitted,), (completed,) = named(events, "posttrain.job.submitted"), named(events, "posttrain.job.completed")
-    job = json.loads((tiny_setup.shared_dir / "runs" / name / "training-job.json").read_text())
+    job = json.loads((setup.shared_dir / "runs" / name / "training-job.json").read_text())
     for e in (submitted, completed):
         assert e.resource.id == f"posttrain.job.local.{job['job_id']}"
         assert e.payload["job_id"] == job["job_id"] and e.payload["backend"] == "local"

@@ -57,13 +57,9 @@ def _setup(root, blocks: str, **vllm):
 
 @pytest.fixture(scope="module")
 def vllm_setup(prefect_api, tmp_path_factory):
-    yield from _setup(tmp_path_factory.mktemp("grpo-vllm"), BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def lora_setup(prefect_api, tmp_path_factory):
-    """The same with LoRA on in vLLM (adapters loaded at run time, rank up to 16)."""
-    yield from _setup(tmp_path_factory.mktemp("grpo-vllm-lora"), f"{BLOCKS}-lora", max_lora_rank=16)
+    """One gateway for both tests (one vLLM start), with LoRA on (adapters loaded at run time, rank up
+    to 16): whole-model hot-loads still reload in place."""
+    yield from _setup(tmp_path_factory.mktemp("grpo-vllm"), BLOCKS, max_lora_rank=16)
 
 
 def _settings(s: dict, run_name: str, **more):
@@ -101,6 +97,7 @@ def test_grpo_rounds_sample_from_vllm_and_every_rollout_names_its_version(vllm_s
     from posttrain.rollouts.format import load_rollouts
 
     s = vllm_setup
+    before = len(_completed_hot_loads(s["gateway"].url, s["token"]))
     state = grpo(**to_parameters(_settings(s, "flows-grpo-vllm")), return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
@@ -120,13 +117,13 @@ def test_grpo_rounds_sample_from_vllm_and_every_rollout_names_its_version(vllm_s
         seen |= {x.snapshot_identity for x in rollouts}
 
     # The gateway served exactly the flow's versions, in order: each round's, then the final one.
-    assert _completed_hot_loads(s["gateway"].url, s["token"]) == [*published, report.final_snapshot]
+    assert _completed_hot_loads(s["gateway"].url, s["token"])[before:] == [*published, report.final_snapshot]
     assert seen <= set(published)  # no rollout from a version the flow did not publish
     assert all((s["store"] / identity).is_dir() for identity in [*published, report.final_snapshot])
 
 
 @pytest.mark.timeout(300)
-def test_grpo_lora_adapter_publishing_samples_from_the_adapter_vllm_loaded(lora_setup):
+def test_grpo_lora_adapter_publishing_samples_from_the_adapter_vllm_loaded(vllm_setup):
     """lora_publish: adapter: round 0 publishes the base (a model snapshot, reloaded in place with
     LoRA on), later rounds the adapter alone (its own full snapshot, then a delta), which the gateway
     loads into vLLM at run time; every rollout names the adapter version that sampled it."""
@@ -136,7 +133,8 @@ def test_grpo_lora_adapter_publishing_samples_from_the_adapter_vllm_loaded(lora_
     from posttrain.pipeline.parameters import to_parameters
     from posttrain.rollouts.format import load_rollouts
 
-    s = lora_setup
+    s = vllm_setup
+    before = len(_completed_hot_loads(s["gateway"].url, s["token"]))
     settings = _settings(s, "flows-grpo-vllm-lora", lora={"use_lora": True, "r": 8, "lora_alpha": 16,
                                                           "target_modules": ["q_proj", "v_proj"],
                                                           "lora_publish": "adapter"})
@@ -150,7 +148,7 @@ def test_grpo_lora_adapter_publishing_samples_from_the_adapter_vllm_loaded(lora_
         rollouts, _ = load_rollouts(run_dir / "rounds" / f"{r:04d}" / "rollouts.jsonl")
         assert {(x.policy_version, x.snapshot_identity) for x in rollouts} == {(r, identity)}, f"round {r}"
     published = [row["snapshot"] for row in report.rounds]
-    assert _completed_hot_loads(s["gateway"].url, s["token"]) == [*published, report.final_snapshot]
+    assert _completed_hot_loads(s["gateway"].url, s["token"])[before:] == [*published, report.final_snapshot]
     served = s["gateway"].engine.current()
     assert served.identity == report.final_snapshot and (served.path / "peft" / "adapter_config.json").is_file()
     assert not (run_dir / "packed").exists() or not any((run_dir / "packed").iterdir())  # removed once published

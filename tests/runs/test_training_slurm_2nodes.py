@@ -139,6 +139,7 @@ def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_job
     seen: list[int] = []
     last = None
     stopped_s = None
+    before: dict[Path, int] = {}
 
     def submitted(run: TrainingRun) -> None:
         runs.append(run)
@@ -154,7 +155,9 @@ def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_job
                 assert time.monotonic() - t0 < 30, f"left running: {job_processes(job_dir)}"
                 time.sleep(0.2)
             stopped_s = time.monotonic() - t0
+            # the first attempt is gone: what it left is what the second must resume from
             last = last_complete_checkpoint(out)
+            before = {c.path: (c.path / "trainer_state.json").stat().st_mtime_ns for c in complete_checkpoints(out)}
 
     (run,) = runs
     assert run.state() == JobState.COMPLETED
@@ -168,6 +171,8 @@ def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_job
     assert_one_rank_per_node(run)
     steps = [json.loads((c.path / "trainer_state.json").read_text())["global_step"] for c in complete_checkpoints(out)]
     assert steps == [c.step for c in complete_checkpoints(out)] and steps[-1] == 6
+    # not from scratch: the checkpoints of the first attempt were never rewritten
+    assert before and all((p / "trainer_state.json").stat().st_mtime_ns == t for p, t in before.items())
     print(f"both nodes stopped {stopped_s:.1f} s after the requeue; resumed from checkpoint-{last.step}")
 
 

@@ -1,14 +1,13 @@
 """The trainer as a cluster job, end to end: a real tiny GRPO run on the real single-node Slurm
-(checkpoints watched in order, a requeue that resumes from the last checkpoint) and on the local
+(checkpoints watched in order; a requeue that resumes from the last checkpoint is
+tests/runs/test_training_slurm_2nodes.py's, on two nodes) and on the local
 backend (through `posttrain train`), plus the failure path."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from posttrain.cli import main
 from posttrain.cluster import JobState
 from posttrain.runs.follow import TrainingFailed, TrainingRun, run_and_watch
 from posttrain.runs.job import parse_training_settings
-from posttrain.trainer.checkpoints import complete_checkpoints, last_complete_checkpoint
+from posttrain.trainer.checkpoints import last_complete_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -77,14 +76,6 @@ def _global_step(checkpoint: Path) -> int:
     return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
 
 
-def _state_mtime(checkpoint: Path) -> int:
-    return (checkpoint / "trainer_state.json").stat().st_mtime_ns
-
-
-def _scontrol_show(job_id: str) -> str:
-    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("slurm_cluster")
 def test_slurm_trains_and_hands_out_checkpoints_in_order(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
@@ -115,55 +106,6 @@ def test_slurm_trains_and_hands_out_checkpoints_in_order(shared: Path, slurm_job
     assert Path(run.log_path).exists() and '"global_step": 3' in run.handle.tail_log(200)
     # a second watch of the same cursor has nothing new
     assert list(run.checkpoints(cursor_path=tmp_path / "cursor.json", poll_interval=0.3)) == []
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.usefixtures("slurm_cluster")
-def test_slurm_requeue_resumes_from_the_last_checkpoint(shared: Path, slurm_jobs: list, tmp_path: Path) -> None:
-    """`scontrol requeue` mid-run: the trainer gets SIGTERM (it saves at the end of its step and
-    exits 75, or is killed after KillWait), Slurm holds the job ~120 s (released here to now+3,
-    never `now`), and the next attempt resumes from the last complete checkpoint."""
-    out = shared / "slurm-requeue"
-    config = parse_training_settings(_settings(shared, out.name, "slurm", slow=True, max_steps=8, save_steps=2))
-    runs: list[TrainingRun] = []
-    seen: list[int] = []
-    before: dict[str, int] = {}
-
-    def submitted(run: TrainingRun) -> None:
-        runs.append(run)
-        slurm_jobs.append(run.handle)
-
-    for info in run_and_watch(config, on_submit=submitted, cursor_path=tmp_path / "cursor.json", poll_interval=0.3):
-        seen.append(info.step)
-        if len(seen) == 1:  # at least one checkpoint exists: preempt the job
-            job_id = runs[0].job_id
-            subprocess.run(["scontrol", "requeue", job_id], check=True)
-            deadline = time.monotonic() + 60
-            while "Reason=BeginTime" not in _scontrol_show(job_id):
-                assert time.monotonic() < deadline, _scontrol_show(job_id)
-                time.sleep(0.2)
-            # the first attempt is gone: what it left is what the second must resume from
-            last = last_complete_checkpoint(out)
-            before = {str(c.path): _state_mtime(c.path) for c in complete_checkpoints(out)}
-            time.sleep(1.1)
-            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now+3"], check=True)
-
-    (run,) = runs
-    assert run.state() == JobState.COMPLETED
-    assert seen == sorted(seen) and len(set(seen)) == len(seen) and seen[-1] == 8
-    assert last is not None and 2 <= last.step < 8
-    results = run.results()
-    final = results[-1]
-    assert (final.resumed_from, final.global_step, final.completed) == (last.path, 8, True)
-    assert all(r.stopped_early and r.checkpoint == last.path for r in results[:-1])  # a SIGKILLed attempt writes none
-    assert f"resuming from {last.path}" in run.handle.tail_log(2000)
-    assert "Restarts=1" in _scontrol_show(run.job_id)
-    # not from scratch: the checkpoints of the first attempt were never rewritten, later ones continue
-    for path, mtime in before.items():
-        assert _state_mtime(Path(path)) == mtime, path
-    assert [_global_step(c.path) for c in complete_checkpoints(out) if c.step > last.step] == [
-        s for s in (4, 6, 8) if s > last.step
-    ]
 
 
 @pytest.mark.timeout(180)
