@@ -29,12 +29,14 @@ ORCHESTRATION_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "prefect_api"
 ORCHESTRATION = "orchestration"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker adds each group to the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())) or "seaweedfs" in params.values():
             item.add_marker(pytest.mark.services)
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+    # In a worker xdist sets dist to "no" and loadgroup to True.
+    if config.getoption("loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
         _group_for_workers(items)
 
 
@@ -45,3 +47,4 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
         group = ORCHESTRATION if id(item) in orchestration else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda i: id(i) not in orchestration)  # stable: collection order within each part
+
