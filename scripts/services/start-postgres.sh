@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start a PostgreSQL server (Debian's packages) on loopback with its own data folder, and a
 # database and user for a Prefect server. Idempotent. Prints one
-# "POSTGRES READY <connection url> ..." line once the database accepts the user's connections.
+# "POSTGRES READY <connection url, password masked> ..." line once the database accepts the
+# user's connections (the URL itself: $POSTTRAIN_POSTGRES_DIR/url, readable by its owner only).
 #
 #   POSTGRES_PORT             (default 55432) TCP port, bound to 127.0.0.1 only
 #   POSTTRAIN_POSTGRES_DIR    (default $POSTTRAIN_SERVICES_DIR/postgres) data/, the server's
@@ -100,4 +101,4 @@ chmod 600 "$RUN/url"
 # the user's own password login over TCP, as Prefect will connect
 PGPASSWORD="$DB_PASSWORD" "$BIN/psql" -h 127.0.0.1 -p "$PORT" -U "$DB_USER" -d "$DB" -qtAX -c 'select 1' >/dev/null \
   || { echo "cannot log in as $DB_USER to $DB on 127.0.0.1:$PORT" >&2; exit 1; }
-echo "POSTGRES READY $URL (pid $(running_pid), $("$BIN/postgres" --version | awk '{print $3}')) in $(since "$t0")s"
+echo "POSTGRES READY ${URL/:"$DB_PASSWORD"@/:***@} (pid $(running_pid), $("$BIN/postgres" --version | awk '{print $3}')) in $(since "$t0")s"
