@@ -77,3 +77,15 @@ def assert_matches(got: Greedy, want: Greedy, tol: float = TOL) -> None:
         assert gt == wt, f"greedy tokens differ: {gt} != {wt}"
         worst = max(abs(x - y) for x, y in zip(gl, wl, strict=True))
         assert worst <= tol, f"logprobs differ by {worst:.2e} (> {tol:g})"
+
+
+def served_greedy(api, prompts: list[list[int]] = PROMPTS) -> tuple[Greedy, str | None]:
+    """Greedy tokens and logprobs the server of ``api`` (a ``tests.support.serving.Api``) answers for
+    each prompt, and the snapshot identity stamped on the last answer."""
+    out, identity = [], None
+    for prompt in prompts:
+        reply = api.complete(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1, ignore_eos=True)
+        choice = reply["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+        identity = reply["snapshot_identity"]
+    return out, identity

@@ -30,7 +30,13 @@ from posttrain.serve.vllm.process import VLLMProcessConfig
 from posttrain.storage import LocalStore
 from tests.support.lora import make_adapter
 from tests.support.serving import DEPLOYMENT, TOKEN, Api
-from tests.support.vllm import PROMPTS, Greedy, assert_matches, require_vllm, transformers_greedy, vllm_model
+from tests.support.vllm import (
+    assert_matches,
+    require_vllm,
+    served_greedy,
+    transformers_greedy,
+    vllm_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 require_vllm()
@@ -82,24 +88,14 @@ def gateway(published, tmp_path_factory):
     server.shutdown()
 
 
-def _served(api: Api) -> tuple[Greedy, str | None]:
-    out, identity = [], None
-    for prompt in PROMPTS:
-        reply = api.complete(prompt=prompt, max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
-        choice = reply["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-        identity = reply["snapshot_identity"]
-    return out, identity
-
-
 def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(gateway, published, make_client):
     api = Api(gateway.url)
     loader = make_client(gateway, timeout=300, fallback_to_full=False)
     ids, refs = published["ids"], published["refs"]
-    assert _served(api)[0][0][0] == published["base_ref"][0][0]  # the base, before any adapter
+    assert served_greedy(api)[0][0][0] == published["base_ref"][0][0]  # the base, before any adapter
     for i in (0, 1):
         result = loader.hot_load(ids[i], base_identity=ids[i - 1] if i else None)
-        got, stamped = _served(api)
+        got, stamped = served_greedy(api)
         assert result.identity == stamped == ids[i]  # the adapter version that answered
         assert_matches(got, refs[i])
     replicas = api.get(f"/v1alpha1/inference/hotLoads/{api.ops()[0]['spec']['id']}/replicas").json()["replicas"]
@@ -115,7 +111,7 @@ def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(ga
         states.append(api.get(f"/v1alpha1/inference/hotLoads/{op}/replicas").json()["replicas"][0]["state"])
         time.sleep(0.5)
     assert "ERROR" in states and states[-1] == "READY", states[-5:]
-    got, stamped = _served(api)
+    got, stamped = served_greedy(api)
     assert stamped == ids[1]
     assert_matches(got, refs[1])
 
@@ -123,13 +119,13 @@ def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(ga
         with pytest.raises(HotLoadFailed) as info:
             loader.hot_load(identity, base_identity=base)
         assert named in str(info.value)
-        got, stamped = _served(api)
+        got, stamped = served_greedy(api)
         assert stamped == ids[1]
         assert_matches(got, refs[1])
 
     # the merged second version, a full model snapshot, reloaded in place
     merged = loader.hot_load(ids[4])
-    got, stamped = _served(api)
+    got, stamped = served_greedy(api)
     assert merged.identity == stamped == ids[4]
     assert_matches(got, refs[1])
     with pytest.raises(HotLoadFailed, match="was trained on base"):  # not on the merged model served now

@@ -21,7 +21,14 @@ from posttrain.serve.serve_config import ServeConfig
 from posttrain.serve.server import InferenceServer
 from posttrain.serve.vllm.process import VLLMProcessConfig
 from tests.support.serving import DEPLOYMENT, PREFIX, TOKEN, Api
-from tests.support.vllm import PROMPTS, Greedy, assert_matches, perturbed, require_vllm, transformers_greedy, vllm_model
+from tests.support.vllm import (
+    assert_matches,
+    perturbed,
+    require_vllm,
+    served_greedy,
+    transformers_greedy,
+    vllm_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 require_vllm()
@@ -60,16 +67,6 @@ def _gateway(chain: dict, work: Path, **fields) -> InferenceServer:
     return InferenceServer(config).start()
 
 
-def _served(api: Api) -> tuple[Greedy, str | None]:
-    out, identity = [], None
-    for prompt in PROMPTS:
-        reply = api.complete(prompt=prompt, max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
-        choice = reply["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-        identity = reply["snapshot_identity"]
-    return out, identity
-
-
 def _loader(server: InferenceServer, make_client):
     return make_client(server, timeout=300, fallback_to_full=False)
 
@@ -97,7 +94,7 @@ def test_full_delta_delta_are_each_served_exactly(gateway, untied, make_client):
         base = untied["ids"][i - 1] if i else None
         result = loader.hot_load(identity, base_identity=base)
         assert result.identity == identity
-        got, stamped = _served(api)
+        got, stamped = served_greedy(api)
         assert stamped == identity
         assert_matches(got, untied["refs"][i])
 
@@ -106,7 +103,7 @@ def test_bad_versions_fail_naming_the_tensor_and_the_previous_one_stays_served(g
     api = Api(gateway.url)
     loader = _loader(gateway, make_client)
     last = untied["ids"][-1]
-    assert _served(api)[1] == last
+    assert served_greedy(api)[1] == last
     writer = untied["writer"]
     m2 = untied["models"][2]
     corrupt = writer.add(perturbed(m2, tmp_path / "m3", 3), base=m2, step=10)
@@ -126,17 +123,17 @@ def test_bad_versions_fail_naming_the_tensor_and_the_previous_one_stays_served(g
         with pytest.raises(HotLoadFailed) as info:
             loader.hot_load(identity, base_identity=base)
         assert named in str(info.value)
-        got, stamped = _served(api)
+        got, stamped = served_greedy(api)
         assert stamped == last
         assert_matches(got, untied["refs"][2])
     reload = loader.hot_load(untied["ids"][0])  # a good version afterwards loads
     assert reload.identity == untied["ids"][0]
-    assert_matches(_served(api)[0], untied["refs"][0])
+    assert_matches(served_greedy(api)[0], untied["refs"][0])
 
 
 def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gateway, untied, make_client):
     api = Api(gateway.url)
-    serving = _served(api)[1]
+    serving = served_greedy(api)[1]
     index = untied["ids"].index(serving)
     process = gateway.engine.replicas[0].process
     for pid in process.pids():
@@ -151,10 +148,10 @@ def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gat
             break
         time.sleep(0.5)
     assert "ERROR" in states and states[-1] == "READY", states[-5:]
-    got, stamped = _served(api)
+    got, stamped = served_greedy(api)
     assert stamped == serving
     assert_matches(got, untied["refs"][index])
     loader = _loader(gateway, make_client)
     target = 1 if index != 1 else 2  # a delta that applies to what it serves (or, after the full, its chain)
     loader.hot_load(untied["ids"][target], base_identity=untied["ids"][target - 1])
-    assert_matches(_served(api)[0], untied["refs"][target])
+    assert_matches(served_greedy(api)[0], untied["refs"][target])
