@@ -18,35 +18,17 @@ from posttrain.cluster import JobState
 from posttrain.runs.follow import TrainingFailed, TrainingRun, run_and_watch
 from posttrain.runs.job import parse_training_settings
 from posttrain.trainer.checkpoints import last_complete_checkpoint
+from tests.support.training import job_grpo_trainer, job_shared_dir
 
 pytestmark = pytest.mark.slow
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # for the model build here; jobs get it from cluster.env
 
-# A reward that takes a while, so that a requeue lands mid-run; importable by the job via PYTHONPATH.
-SLOW_REWARD = '''
-import time
-from posttrain.rewards import length_reward
-
-def slow_length_reward(completions, **kwargs):
-    time.sleep(0.6)
-    return length_reward(completions, **kwargs)
-'''
-
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
-    """'Shared storage' of the single node: the tiny model, a staged toy dataset, the slow reward."""
-    from posttrain.datasets.staging import stage_dataset
-    from posttrain.datasets.toy import write_toy_jsonl
-    from posttrain.models.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("shared")
-    build_tiny_model(root / "model", seed=0)
-    stage_dataset(write_toy_jsonl(root / "toy.jsonl", n=8, seed=0), root / "store")
-    (root / "pymod").mkdir()
-    (root / "pymod" / "slow_rewards.py").write_text(SLOW_REWARD)
-    return root
+    """'Shared storage' of the single node (tests.support.training.job_shared_dir)."""
+    return job_shared_dir(tmp_path_factory.mktemp("shared"))
 
 
 def _settings(shared: Path, out: str, backend: str, *, slow: bool = False, **trainer) -> dict:
@@ -57,19 +39,8 @@ def _settings(shared: Path, out: str, backend: str, *, slow: bool = False, **tra
                    "poll_interval_s": 1, "env": env}  # fmt: skip
     else:
         cluster = {"folder": str(shared / "local-jobs"), "poll_interval_s": 0.3, "env": env}
-    manifest = next((shared / "store").glob("datasets/*/manifest.json"))
-    reward = "slow_rewards:slow_length_reward" if slow else "posttrain.rewards:length_reward"
-    return {
-        "name": f"tiny-{backend}",
-        "backend": backend,
-        "cluster": cluster,
-        "trainer": {
-            "mode": "grpo", "model_name_or_path": str(shared / "model"), "output_dir": str(shared / out),
-            "dataset_manifest": str(manifest), "reward_funcs": ["posttrain.rewards:correctness_reward", reward],
-            "learning_rate": 1e-3, "per_device_train_batch_size": 8, "num_generations": 4,
-            "max_completion_length": 8, "max_steps": 3, "save_steps": 1, "use_cpu": True, **trainer,
-        },
-    }  # fmt: skip
+    return {"name": f"tiny-{backend}", "backend": backend, "cluster": cluster,
+            "trainer": job_grpo_trainer(shared, out, slow=slow, **trainer)}
 
 
 def _global_step(checkpoint: Path) -> int:

@@ -90,3 +90,41 @@ def _make_checkpoint(
     if state:
         (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     return path
+
+
+# A reward that takes a while, so that a requeue lands mid-run; importable by a job via PYTHONPATH.
+SLOW_REWARD = '''
+import time
+from posttrain.rewards import length_reward
+
+def slow_length_reward(completions, **kwargs):
+    time.sleep(0.6)
+    return length_reward(completions, **kwargs)
+'''
+
+
+def job_shared_dir(root: Path) -> Path:
+    """'Shared storage' for cluster jobs: the tiny model, a staged toy dataset, and ``pymod/`` with
+    the slow reward (``slow_rewards:slow_length_reward``)."""
+    from posttrain.datasets.staging import stage_dataset
+    from posttrain.datasets.toy import write_toy_jsonl
+    from posttrain.models.tiny import build_tiny_model
+
+    build_tiny_model(root / "model", seed=0)
+    stage_dataset(write_toy_jsonl(root / "toy.jsonl", n=8, seed=0), root / "store")
+    (root / "pymod").mkdir()
+    (root / "pymod" / "slow_rewards.py").write_text(SLOW_REWARD)
+    return root
+
+
+def job_grpo_trainer(shared: Path, out: str, *, slow: bool = False, **trainer) -> dict:
+    """A TRL GRPO trainer section on ``job_shared_dir``: 3 steps, a checkpoint after each, CPU;
+    ``slow``: with the slow reward."""
+    manifest = next((shared / "store").glob("datasets/*/manifest.json"))
+    reward = "slow_rewards:slow_length_reward" if slow else "posttrain.rewards:length_reward"
+    return {
+        "mode": "grpo", "model_name_or_path": str(shared / "model"), "output_dir": str(shared / out),
+        "dataset_manifest": str(manifest), "reward_funcs": ["posttrain.rewards:correctness_reward", reward],
+        "learning_rate": 1e-3, "per_device_train_batch_size": 8, "num_generations": 4,
+        "max_completion_length": 8, "max_steps": 3, "save_steps": 1, "use_cpu": True, **trainer,
+    }  # fmt: skip
