@@ -6,6 +6,12 @@ import os
 import threading
 
 from prefect import flow, get_run_logger, task
+from prefect.settings import (
+    PREFECT_CLIENT_CSRF_SUPPORT_ENABLED,
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+    get_current_settings,
+    temporary_settings,
+)
 from prefect.tasks import exponential_backoff
 
 from posttrain.pipeline.tasks.blocks import load_block
@@ -69,11 +75,35 @@ def _release() -> None:
         _TURNS.release()
 
 
+def subflow_settings() -> dict:
+    """Prefect client settings for the shards' subflows, which the round waits for:
+
+    - no flow-run heartbeats (``flows.heartbeat_frequency``: None): Prefect's sync engine joins a
+      subflow's heartbeat thread when the subflow's body returns, and that thread sleeps in 1 s
+      steps, so every shard ended 0-1 s late (half a second on average, the slowest of a round's
+      shards nearly a whole one). The parent flow runs in the same process and keeps its own
+      heartbeats, so a crashed process is still seen.
+    - no CSRF token requests (``client.csrf_support_enabled``: False), unless the profile or the
+      environment sets PREFECT_CLIENT_CSRF_SUPPORT_ENABLED: Prefect creates a new API client for
+      each subflow's parent task run, and a client with CSRF support first asks the server for a
+      token (one more request per shard) even where the server does not check them. Prefect's
+      servers don't by default (PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED), nor do the ones
+      scripts/services/start-prefect.sh starts; for a server that does, set
+      PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=true in the flow's environment.
+    """
+    current = get_current_settings()
+    updates: dict = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    if "csrf_support_enabled" not in current.client.model_fields_set:
+        updates[PREFECT_CLIENT_CSRF_SUPPORT_ENABLED] = False
+    return updates
+
+
 def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     _held.in_task = True
     _acquire()
     try:
-        return rollout_shard(spec, settings, inference, tokenizer_dir)
+        with temporary_settings(updates=subflow_settings()):
+            return rollout_shard(spec, settings, inference, tokenizer_dir)
     finally:
         _held.in_task = False
         _release()
