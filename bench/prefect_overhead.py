@@ -54,7 +54,8 @@ for k, v in ENV.items():
 _lock = threading.Lock()
 BODIES: list[tuple[str, int | None, float, float, int | None]] = []  # (task, round, start, end, shard)
 RETRIES_503: list[float] = []
-CALLS: list[tuple[float, str]] = []  # (time sent, "METHOD /path") of every Prefect API request
+CALLS: list[tuple[float, str]] = []  # (time answered, "METHOD /path") of every Prefect API request
+CALLS_503: list[tuple[float, str]] = []  # those answered 503
 
 
 def count_api_calls() -> None:
@@ -64,16 +65,32 @@ def count_api_calls() -> None:
     import httpx
 
     ids = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-    for cls in (httpx.Client, httpx.AsyncClient):
-        original = cls.send
+    def record(request, response) -> None:
+        path = ids.sub("{id}", request.url.path.split("/api", 1)[-1])
+        with _lock:
+            CALLS.append((time.time(), f"{request.method} {path}"))
+            if response is not None and response.status_code == 503:
+                CALLS_503.append((time.time(), f"{request.method} {path}"))
 
-        def send(self, request, *a, _original=original, **kw):
-            path = ids.sub("{id}", request.url.path.split("/api", 1)[-1])
-            with _lock:
-                CALLS.append((time.time(), f"{request.method} {path}"))
-            return _original(self, request, *a, **kw)
+    sync_send, async_send = httpx.Client.send, httpx.AsyncClient.send
 
-        cls.send = send
+    def send(self, request, *a, **kw):
+        response = None
+        try:
+            response = sync_send(self, request, *a, **kw)
+            return response
+        finally:
+            record(request, response)
+
+    async def asend(self, request, *a, **kw):
+        response = None
+        try:
+            response = await async_send(self, request, *a, **kw)
+            return response
+        finally:
+            record(request, response)
+
+    httpx.Client.send, httpx.AsyncClient.send = send, asend
 
 
 def timed(task_obj, label: str, round_of, shard_of=None, module=None) -> None:
@@ -320,6 +337,8 @@ def run(args: argparse.Namespace) -> dict:
           f"the last round's by endpoint:")
     for call, n in Counter(per_round_calls[-1]).most_common():
         print(f"  {n:>5}  {call}")
+    if CALLS_503:
+        print("answered 503 (whole flow): " + ", ".join(f"{n} {c}" for c, n in Counter(c for _, c in CALLS_503).most_common()))
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}

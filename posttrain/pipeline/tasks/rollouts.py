@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import nullcontext
 
 from prefect import flow, get_run_logger, task
+from prefect.client.orchestration import PrefectClient
+from prefect.context import AsyncClientContext
 from prefect.settings import (
     PREFECT_CLIENT_CSRF_SUPPORT_ENABLED,
     PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
@@ -13,6 +16,7 @@ from prefect.settings import (
     temporary_settings,
 )
 from prefect.tasks import exponential_backoff
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
@@ -98,12 +102,49 @@ def subflow_settings() -> dict:
     return updates
 
 
+# Prefect creates a subflow's parent task run (the run that tracks the subflow in the parent flow)
+# on its shared event-loop thread, with the async client of the context, else a new one: a new
+# client per shard costs a TLS context (Prefect loads the CA certificates even for an http://
+# API: ~20 ms of CPU), a new connection, and with CSRF support a token request. The shards of a
+# process share one client on that loop instead, opened once per API (URL, key, CSRF setting)
+# and left open for the process's life.
+_CLIENTS: dict[tuple, PrefectClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _secret(value) -> str | None:
+    return value.get_secret_value() if value else None
+
+
+def _parent_task_client() -> PrefectClient | None:
+    """This process's client for the subflows' parent task runs; None with Prefect's ephemeral
+    API (no PREFECT_API_URL), which Prefect serves with clients of its own."""
+    api = get_current_settings().api
+    if not api.url:
+        return None
+    key = (str(api.url), _secret(api.key), _secret(api.auth_string),
+           get_current_settings().client.csrf_support_enabled)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None or client._closed:  # noqa: SLF001 - closed by someone else: open another
+
+            async def open_on_loop() -> PrefectClient:  # on Prefect's loop, where create_run asks
+                client = PrefectClient(str(api.url), api_key=_secret(api.key), auth_string=_secret(api.auth_string))
+                await client.__aenter__()
+                return client
+
+            client = _CLIENTS[key] = run_coro_as_sync(open_on_loop())
+        return client
+
+
 def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     _held.in_task = True
     _acquire()
     try:
         with temporary_settings(updates=subflow_settings()):
-            return rollout_shard(spec, settings, inference, tokenizer_dir)
+            client = _parent_task_client()
+            with AsyncClientContext.model_construct(client=client) if client else nullcontext():
+                return rollout_shard(spec, settings, inference, tokenizer_dir)
     finally:
         _held.in_task = False
         _release()
