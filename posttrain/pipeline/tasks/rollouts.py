@@ -23,11 +23,29 @@ from posttrain.pipeline.tasks.retry import transient_only
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
 
 
-@task(name="sample-and-score", task_run_name="sample-r{spec.round}-s{spec.shard}")
+# The shards of a round load the inference block once per process (one API call instead of one
+# per shard): keyed by the block and the round's folder, which names the run and the round.
+_BLOCKS: dict[tuple[str, str], object] = {}
+_BLOCKS_LOCK = threading.Lock()
+
+
+def _round_block(inference: str, spec: ShardSpec):
+    key = (inference, str(spec.out_path.parent))
+    with _BLOCKS_LOCK:
+        if key not in _BLOCKS:
+            if len(_BLOCKS) >= 8:
+                _BLOCKS.clear()
+            _BLOCKS[key] = load_block(inference, "inference")
+        return _BLOCKS[key]
+
+
 def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
+    """The shard's work: sample from the deployment, score, write the rollouts. A plain function
+    that the subflow calls, not a task of its own: the subflow's state is the work's, and a task
+    run inside it cost the server a task run and three state events per shard."""
     from transformers import AutoTokenizer
 
-    deployment = load_block(inference, "inference")
+    deployment = _round_block(inference, spec)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     client = deployment.completions()
     try:
