@@ -9,19 +9,13 @@ from contextlib import nullcontext
 from prefect import flow, get_run_logger, task
 from prefect.client.orchestration import PrefectClient
 from prefect.context import AsyncClientContext
-from prefect.settings import (
-    PREFECT_CLIENT_CSRF_SUPPORT_ENABLED,
-    PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-    get_current_settings,
-    temporary_settings,
-)
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 from prefect.tasks import exponential_backoff
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
-
 
 # The shards of a round load the inference block once per process (one API call instead of one
 # per shard): keyed by the block and the round's folder, which names the run and the round.
@@ -98,34 +92,21 @@ def _release() -> None:
 
 
 def subflow_settings() -> dict:
-    """Prefect client settings for the shards' subflows, which the round waits for:
-
-    - no flow-run heartbeats (``flows.heartbeat_frequency``: None): Prefect's sync engine joins a
-      subflow's heartbeat thread when the subflow's body returns, and that thread sleeps in 1 s
-      steps, so every shard ended 0-1 s late (half a second on average, the slowest of a round's
-      shards nearly a whole one). The parent flow runs in the same process and keeps its own
-      heartbeats, so a crashed process is still seen.
-    - no CSRF token requests (``client.csrf_support_enabled``: False), unless the profile or the
-      environment sets PREFECT_CLIENT_CSRF_SUPPORT_ENABLED: Prefect creates a new API client for
-      each subflow's parent task run, and a client with CSRF support first asks the server for a
-      token (one more request per shard) even where the server does not check them. Prefect's
-      servers don't by default (PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED), nor do the ones
-      scripts/services/start-prefect.sh starts; for a server that does, set
-      PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=true in the flow's environment.
-    """
-    current = get_current_settings()
-    updates: dict = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
-    if "csrf_support_enabled" not in current.client.model_fields_set:
-        updates[PREFECT_CLIENT_CSRF_SUPPORT_ENABLED] = False
-    return updates
+    """Prefect settings for the shards' subflows: no flow-run heartbeats
+    (``flows.heartbeat_frequency``: None). Prefect's sync engine joins a subflow's heartbeat
+    thread when the subflow's body returns, and that thread sleeps in 1 s steps, so every shard
+    ended 0-1 s late (the slowest of a round's shards nearly a whole second). The parent flow
+    runs in the same process and keeps its heartbeats, so a crashed process is still seen."""
+    return {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
 
 
 # Prefect creates a subflow's parent task run (the run that tracks the subflow in the parent flow)
 # on its shared event-loop thread, with the async client of the context, else a new one: a new
 # client per shard costs a TLS context (Prefect loads the CA certificates even for an http://
-# API: ~20 ms of CPU), a new connection, and with CSRF support a token request. The shards of a
-# process share one client on that loop instead, opened once per API (URL, key, CSRF setting)
-# and left open for the process's life.
+# API: ~20 ms of CPU), a new connection, and a CSRF-token request (Prefect's client asks before
+# its first write, even where the server checks none). The shards of a process share one client
+# on that loop instead, opened once per API (URL, key, CSRF setting) and left open for the
+# process's life.
 _CLIENTS: dict[tuple, PrefectClient] = {}
 _CLIENTS_LOCK = threading.Lock()
 
