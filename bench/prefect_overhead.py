@@ -3,15 +3,19 @@
 Runs the ``grpo`` flow against a Prefect server, with the tiny model, toy prompts, a folder store,
 the in-process reference inference server and a local training process. Every task body of a
 round is timed by wrapping the task's function (publish-checkpoint, hot-load, the ``rollout-shard``
-tasks, the ``sample-and-score`` task inside each shard's subflow, train-step). Per round:
+tasks, the sampling inside each shard's subflow: ``sample_and_score``, a task in earlier versions,
+a plain function now, train-step); every API request of the flow's clients is counted. Per round:
 
   wall       the round as the flow timed it ("round s" of its table: publish to training step)
   bodies     time during which at least one task body ran (union of the body intervals)
   overhead   wall - bodies: time in which only Prefect ran (creating runs, states, subflows, results)
-  per run    overhead / Prefect runs of the round (tasks + subflows; 3 per shard)
+  per run    overhead / Prefect runs of the round (tasks + subflows: 2 per shard, 3 with a
+             sample-and-score task)
   sample     sum and union of the sample-and-score bodies (they share one inference server)
   subflow    mean of (rollout-shard task body - its sample-and-score body): one subflow's cost
   503s       API answers "retry later" (SQLite busy) that the client backed off on
+  API calls  requests to the Prefect API during the round (the last round's by endpoint, and
+             the requests answered 503, are printed after each case's rounds)
 
 By default it runs a matrix, each case in a process of its own against a server it starts on its
 own port and state folder (scripts/services/start-postgres.sh, start-prefect.sh) and stops at the
