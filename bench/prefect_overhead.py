@@ -3,15 +3,19 @@
 Runs the ``grpo`` flow against a Prefect server, with the tiny model, toy prompts, a folder store,
 the in-process reference inference server and a local training process. Every task body of a
 round is timed by wrapping the task's function (publish-checkpoint, hot-load, the ``rollout-shard``
-tasks, the ``sample-and-score`` task inside each shard's subflow, train-step). Per round:
+tasks, the sampling inside each shard's subflow: ``sample_and_score``, a task in earlier versions,
+a plain function now, train-step); every API request of the flow's clients is counted. Per round:
 
   wall       the round as the flow timed it ("round s" of its table: publish to training step)
   bodies     time during which at least one task body ran (union of the body intervals)
   overhead   wall - bodies: time in which only Prefect ran (creating runs, states, subflows, results)
-  per run    overhead / Prefect runs of the round (tasks + subflows; 3 per shard)
+  per run    overhead / Prefect runs of the round (tasks + subflows: 2 per shard, 3 with a
+             sample-and-score task)
   sample     sum and union of the sample-and-score bodies (they share one inference server)
   subflow    mean of (rollout-shard task body - its sample-and-score body): one subflow's cost
   503s       API answers "retry later" (SQLite busy) that the client backed off on
+  API calls  requests to the Prefect API during the round (the last round's by endpoint, and
+             the requests answered 503, are printed after each case's rounds)
 
 By default it runs a matrix, each case in a process of its own against a server it starts on its
 own port and state folder (scripts/services/start-postgres.sh, start-prefect.sh) and stops at the
@@ -54,11 +58,49 @@ for k, v in ENV.items():
 _lock = threading.Lock()
 BODIES: list[tuple[str, int | None, float, float, int | None]] = []  # (task, round, start, end, shard)
 RETRIES_503: list[float] = []
+CALLS: list[tuple[float, str]] = []  # (time answered, "METHOD /path") of every Prefect API request
+CALLS_503: list[tuple[float, str]] = []  # those answered 503
 
 
-def timed(task_obj, label: str, round_of, shard_of=None) -> None:
-    """Wrap the task's function so every call records its body interval."""
-    inner = task_obj.fn
+def count_api_calls() -> None:
+    """Record every HTTP request the Prefect clients (sync and async) send, ids replaced by {id}."""
+    import re
+
+    import httpx
+
+    ids = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+    def record(request, response) -> None:
+        path = ids.sub("{id}", request.url.path.split("/api", 1)[-1])
+        with _lock:
+            CALLS.append((time.time(), f"{request.method} {path}"))
+            if response is not None and response.status_code == 503:
+                CALLS_503.append((time.time(), f"{request.method} {path}"))
+
+    sync_send, async_send = httpx.Client.send, httpx.AsyncClient.send
+
+    def send(self, request, *a, **kw):
+        response = None
+        try:
+            response = sync_send(self, request, *a, **kw)
+            return response
+        finally:
+            record(request, response)
+
+    async def asend(self, request, *a, **kw):
+        response = None
+        try:
+            response = await async_send(self, request, *a, **kw)
+            return response
+        finally:
+            record(request, response)
+
+    httpx.Client.send, httpx.AsyncClient.send = send, asend
+
+
+def timed(task_obj, label: str, round_of, shard_of=None, module=None) -> None:
+    """Wrap the task's function so every call records its body interval (a plain function: the
+    module's attribute, as the flow looks it up)."""
+    inner = getattr(task_obj, "fn", task_obj)
     sig = inspect.signature(getattr(inner, "fn", inner))  # a task around a subflow wraps the Flow
 
     def wrapper(*args, **kwargs):
@@ -74,7 +116,10 @@ def timed(task_obj, label: str, round_of, shard_of=None) -> None:
     wrapper.__name__ = getattr(inner, "__name__", label)
     wrapper.__qualname__ = wrapper.__name__
     wrapper.__module__ = getattr(inner, "__module__", __name__)
-    task_obj.fn = wrapper
+    if hasattr(task_obj, "fn"):
+        task_obj.fn = wrapper
+    else:
+        setattr(module, inner.__name__, wrapper)
 
 
 class Count503(logging.Filter):
@@ -181,7 +226,7 @@ def matrix(args: argparse.Namespace) -> None:
         for script, env in started:
             subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
     header = (f"{'server':>8} {'shards':>6} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
-              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'start gap s':>11} {'end gap s':>9} "
+              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'API calls':>9} {'start gap s':>11} {'end gap s':>9} "
               f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
     print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. start gap: hot-load end to the first "
           "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
@@ -193,7 +238,7 @@ def matrix(args: argparse.Namespace) -> None:
             print(f"{db:>8} {shards:>6}  failed")
             continue
         print(f"{db:>8} {shards:>6} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
-              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['retries_503']:>10.1f} {m['gap_start']:>11.2f} "
+              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['retries_503']:>10.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
               f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
 
@@ -213,11 +258,12 @@ def run(args: argparse.Namespace) -> dict:
     client_log = logging.getLogger("prefect.client")
     client_log.setLevel(logging.DEBUG)
     client_log.addFilter(Count503())
+    count_api_calls()
 
     timed(publishing.publish_checkpoint, "publish", lambda a: a["step"])
     timed(publishing.hot_load, "hot-load", lambda a: a["snapshot"].step)
     timed(rollouts.rollout_shard_task, "shard-task", lambda a: a["spec"].round, lambda a: a["spec"].shard)
-    timed(rollouts.sample_and_score, "sample", lambda a: a["spec"].round, lambda a: a["spec"].shard)
+    timed(rollouts.sample_and_score, "sample", lambda a: a["spec"].round, lambda a: a["spec"].shard, rollouts)
     timed(training.train_step, "train", lambda a: a["round"])
 
     work = Path(tempfile.mkdtemp(prefix="posttrain-prefect-bench-"))
@@ -247,7 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         server.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
-    runs_per_round = 1 + 1 + 3 * args.shards + 1  # publish, hot-load, per shard (task, subflow, sample), train
+    # publish, hot-load, per shard (task, subflow, and its sample-and-score task where there is one), train
+    runs_per_round = 1 + 1 + (3 if hasattr(rollouts.sample_and_score, "fn") else 2) * args.shards + 1
     header = (f"{'round':>5} {'wall s':>7} {'bodies s':>8} {'overhead s':>10} {'overhead %':>10} "
               f"{'runs':>4} {'per run ms':>10} {'per shard ms':>12} {'sample sum s':>12} {'sample union s':>14} "
               f"{'subflow ms':>10} {'503s':>4} {'gaps s: pub>load load>sample sample>train':>42}")
@@ -258,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
     print(header)
     print("-" * len(header))
     rows = []
+    per_round_calls: list[list[str]] = []
     for row in report.rounds:
         r = row["round"]
         bodies = [b for b in BODIES if b[1] == r]
@@ -266,6 +314,8 @@ def run(args: argparse.Namespace) -> dict:
         shard_tasks = {b[4]: b for b in bodies if b[0] == "shard-task"}
         window = (min(s for s, _ in outer), max(e for _, e in outer))
         retries = sum(window[0] <= t <= window[1] for t in RETRIES_503)
+        calls = [c for t, c in CALLS if window[0] <= t <= window[1]]
+        per_round_calls.append(calls)
         wall = row["round s"]
         busy = union(outer)
         overhead = wall - busy
@@ -284,7 +334,15 @@ def run(args: argparse.Namespace) -> dict:
         rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
                      "per_run_ms": 1000 * overhead / runs_per_round,
                      "subflow_ms": 1000 * statistics.fmean(subflow) if subflow else float("nan"),
-                     "retries_503": retries, "gap_start": gaps[1], "gap_end": gaps[2]})
+                     "retries_503": retries, "api_calls": len(calls), "gap_start": gaps[1], "gap_end": gaps[2]})
+    from collections import Counter
+
+    print(f"API requests per round (median {statistics.median(len(c) for c in per_round_calls)}); "
+          f"the last round's by endpoint:")
+    for call, n in Counter(per_round_calls[-1]).most_common():
+        print(f"  {n:>5}  {call}")
+    if CALLS_503:
+        print("answered 503 (whole flow): " + ", ".join(f"{n} {c}" for c, n in Counter(c for _, c in CALLS_503).most_common()))
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}

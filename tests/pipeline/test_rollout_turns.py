@@ -65,3 +65,28 @@ def test_no_turns_on_postgres(monkeypatch):
     monkeypatch.setattr(rollouts, "rollout_shard", _fake_subflow(log))
     rollouts._rollout_shard(0, None, "", "")
     assert log == [("start-turn-held", False)]
+
+
+def test_subflows_run_without_heartbeats_and_share_the_parent_task_client(monkeypatch):
+    """Inside a shard task, the subflow sees no heartbeat setting (Prefect's engine would join a
+    heartbeat thread sleeping in 1 s steps at the subflow's end) and the process's one async
+    client, which Prefect's create_run picks up on its event loop; the settings outside are kept."""
+    from prefect.context import AsyncClientContext
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    seen = []
+
+    def subflow(spec, settings, inference, tokenizer_dir):
+        rollouts._release()
+        seen.append((get_current_settings().flows.heartbeat_frequency, AsyncClientContext.get().client))
+        return spec
+
+    monkeypatch.setenv("POSTTRAIN_PREFECT_DB", "postgres")
+    monkeypatch.setattr(rollouts, "rollout_shard", subflow)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # nothing is sent
+        for shard in range(2):
+            rollouts._rollout_shard(shard, None, "x/y", "tok")
+    assert [hb for hb, _ in seen] == [None, None]
+    assert seen[0][1] is seen[1][1] and not seen[0][1]._closed
+    assert get_current_settings().flows.heartbeat_frequency is not None
+    assert AsyncClientContext.get() is None

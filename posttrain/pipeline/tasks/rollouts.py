@@ -4,20 +4,42 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import nullcontext
 
 from prefect import flow, get_run_logger, task
+from prefect.client.orchestration import PrefectClient
+from prefect.context import AsyncClientContext
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 from prefect.tasks import exponential_backoff
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
 
+# The shards of a round load the inference block once per process (one API call instead of one
+# per shard): keyed by the block and the round's folder, which names the run and the round.
+_BLOCKS: dict[tuple[str, str], object] = {}
+_BLOCKS_LOCK = threading.Lock()
 
-@task(name="sample-and-score", task_run_name="sample-r{spec.round}-s{spec.shard}")
+
+def _round_block(inference: str, spec: ShardSpec):
+    key = (inference, str(spec.out_path.parent))
+    with _BLOCKS_LOCK:
+        if key not in _BLOCKS:
+            if len(_BLOCKS) >= 8:
+                _BLOCKS.clear()
+            _BLOCKS[key] = load_block(inference, "inference")
+        return _BLOCKS[key]
+
+
 def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
+    """The shard's work: sample from the deployment, score, write the rollouts. A plain function
+    that the subflow calls, not a task of its own: the subflow's state is the work's, and a task
+    run inside it cost the server a task run and three state events per shard."""
     from transformers import AutoTokenizer
 
-    deployment = load_block(inference, "inference")
+    deployment = _round_block(inference, spec)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     client = deployment.completions()
     try:
@@ -69,11 +91,59 @@ def _release() -> None:
         _TURNS.release()
 
 
+def subflow_settings() -> dict:
+    """Prefect settings for the shards' subflows: no flow-run heartbeats
+    (``flows.heartbeat_frequency``: None). Prefect's sync engine joins a subflow's heartbeat
+    thread when the subflow's body returns, and that thread sleeps in 1 s steps, so every shard
+    ended 0-1 s late (the slowest of a round's shards nearly a whole second). The parent flow
+    runs in the same process and keeps its heartbeats, so a crashed process is still seen."""
+    return {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+
+
+# Prefect creates a subflow's parent task run (the run that tracks the subflow in the parent flow)
+# on its shared event-loop thread, with the async client of the context, else a new one: a new
+# client per shard costs a TLS context (Prefect loads the CA certificates even for an http://
+# API: ~20 ms of CPU), a new connection, and a CSRF-token request (Prefect's client asks before
+# its first write, even where the server checks none). The shards of a process share one client
+# on that loop instead, opened once per API (URL, key, CSRF setting) and left open for the
+# process's life.
+_CLIENTS: dict[tuple, PrefectClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _secret(value) -> str | None:
+    return value.get_secret_value() if value else None
+
+
+def _parent_task_client() -> PrefectClient | None:
+    """This process's client for the subflows' parent task runs; None with Prefect's ephemeral
+    API (no PREFECT_API_URL), which Prefect serves with clients of its own."""
+    api = get_current_settings().api
+    if not api.url:
+        return None
+    key = (str(api.url), _secret(api.key), _secret(api.auth_string),
+           get_current_settings().client.csrf_support_enabled)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None or client._closed:  # noqa: SLF001 - closed by someone else: open another
+
+            async def open_on_loop() -> PrefectClient:  # on Prefect's loop, where create_run asks
+                client = PrefectClient(str(api.url), api_key=_secret(api.key), auth_string=_secret(api.auth_string))
+                await client.__aenter__()
+                return client
+
+            client = _CLIENTS[key] = run_coro_as_sync(open_on_loop())
+        return client
+
+
 def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     _held.in_task = True
     _acquire()
     try:
-        return rollout_shard(spec, settings, inference, tokenizer_dir)
+        with temporary_settings(updates=subflow_settings()):
+            client = _parent_task_client()
+            with AsyncClientContext.model_construct(client=client) if client else nullcontext():
+                return rollout_shard(spec, settings, inference, tokenizer_dir)
     finally:
         _held.in_task = False
         _release()
