@@ -22,6 +22,7 @@ from posttrain.lora.adapter import (
     Adapter,
     BaseRef,
     LoraError,
+    base_fingerprint,
     read_adapter,
     write_base_ref,
 )
@@ -42,14 +43,19 @@ def is_packed_adapter(folder: str | os.PathLike[str]) -> bool:
 
 
 def pack_adapter(adapter_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                 *, extra_files: tuple[str, ...] = ("trainer_state.json",)) -> Adapter:
+                 *, base_dir: str | os.PathLike[str] | None = None,
+                 extra_files: tuple[str, ...] = ("trainer_state.json",)) -> Adapter:
     """Write adapter ``adapter_dir`` as a packed folder ``out_dir`` (which must not exist); the
-    adapter is validated first (``LoraError``) and must record its base (``posttrain.lora-base.json``)."""
+    adapter is validated first (``LoraError``) and must record its base (``posttrain.lora-base.json``),
+    which must be ``base_dir``'s weights (by fingerprint) when given."""
     adapter_dir, out = Path(adapter_dir), Path(out_dir)
     adapter = read_adapter(adapter_dir)
     if adapter.base is None:
         raise LoraError(f"adapter {adapter_dir}: no posttrain.lora-base.json (its base's path and fingerprint); "
                         "an adapter published alone must name the base it needs")
+    if base_dir is not None and adapter.base.fingerprint != base_fingerprint(base_dir):
+        raise LoraError(f"adapter {adapter_dir} was trained on base {adapter.base.path}, not on the run's "
+                        f"base_model {base_dir} (fingerprints differ); nothing was published")
     if out.exists():
         raise LoraError(f"{out}: already exists")
     config = {**adapter.config, BASE_KEY: {"path": adapter.base.path, "fingerprint": adapter.base.fingerprint}}

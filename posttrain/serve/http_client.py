@@ -64,12 +64,17 @@ class HTTPEngineClient:
         self._session.close()
         self._session = requests.Session()
 
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
+    def _ok(self, method: str, path: str, **kw: Any) -> requests.Response:
+        """The answer to a request, when it is 200; an ``EngineCallError`` with the server's message otherwise."""
         response = self._request(method, path, **kw)
         if response.status_code != 200:
             message = error_message(response)
             self._drop_connections()
             raise EngineCallError(response.status_code, f"{method} {path}: {message}")
+        return response
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        response = self._ok(method, path, **kw)
         if not response.content:
             return {}
         try:
@@ -78,13 +83,8 @@ class HTTPEngineClient:
             raise EngineCallError(response.status_code, f"{method} {path}: not JSON: {response.text[:500]!r}") from e
 
     def _text(self, method: str, path: str, **kw: Any) -> str:
-        """A request whose 200 answer is plain text (vLLM's LoRA routes); errors as ``_json``'s."""
-        response = self._request(method, path, **kw)
-        if response.status_code != 200:
-            message = error_message(response)
-            self._drop_connections()
-            raise EngineCallError(response.status_code, f"{method} {path}: {message}")
-        return response.text
+        """A request whose 200 answer is plain text (vLLM's LoRA routes)."""
+        return self._ok(method, path, **kw).text
 
     def _answers(self, path: str, timeout: float) -> bool:
         """True when ``GET path`` answers 200 within ``timeout``."""

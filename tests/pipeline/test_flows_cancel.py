@@ -73,29 +73,41 @@ def wait_for_trainer(job: JobRecord, process_worker) -> None:
     assert group_members(job.pgid)
 
 
+def request_cancel(flow_run_id: str) -> float:
+    """``prefect flow-run cancel``; the monotonic time it was asked."""
+    t0 = time.monotonic()
+    cancel = prefect_cli("flow-run", "cancel", flow_run_id)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    return t0
+
+
+def assert_cancelled(flow_run_id: str, job: JobRecord, stopped: str) -> None:
+    """The flow run ends CANCELLED; its hook logged ``stopped`` (how it stopped the job) and recorded
+    one ``posttrain.job.cancelled`` event for the job, after its submission."""
+    run = wait_final(flow_run_id, timeout=60)
+    assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
+    logs = "\n".join(flow_run_logs(flow_run_id))
+    assert stopped in logs, logs[-3000:]
+    events = wait_events(flow_run_id, lambda ev: named(ev, "posttrain.job.cancelled"))
+    (cancelled,) = named(events, "posttrain.job.cancelled")
+    assert cancelled.resource.id == f"posttrain.job.{job.backend}.{job.job_id}"
+    assert stopped in cancelled.payload["reason"], cancelled.payload
+    assert [e.event for e in events if e.event.startswith("posttrain.job.")] == ["posttrain.job.submitted",
+                                                                                 "posttrain.job.cancelled"]
+
+
 def cancel_and_check_stopped(flow_run_id: str, job: JobRecord) -> float:
     """``prefect flow-run cancel``; asserts that the local job's processes are gone within
     ``LOCAL_STOP_S``, the flow run is CANCELLED and its hook logged the stop. Seconds until the
     processes were gone."""
     job_dir = str(Path(job.log_path).parent)
-    t0 = time.monotonic()
-    cancel = prefect_cli("flow-run", "cancel", flow_run_id)
-    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    t0 = request_cancel(flow_run_id)
     while group_members(job.pgid) or processes_mentioning(job_dir):
         assert time.monotonic() - t0 < LOCAL_STOP_S, (f"processes of the job left {LOCAL_STOP_S} s after cancelling: "
                                             f"{group_members(job.pgid)} {processes_mentioning(job_dir)}")
         time.sleep(0.2)
     stopped_s = time.monotonic() - t0
-    run = wait_final(flow_run_id, timeout=60)
-    assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
-    logs = "\n".join(flow_run_logs(flow_run_id))
-    assert f"stopped process group {job.pgid}" in logs, logs[-3000:]
-    events = wait_events(flow_run_id, lambda ev: named(ev, "posttrain.job.cancelled"))
-    (cancelled,) = named(events, "posttrain.job.cancelled")
-    assert cancelled.resource.id == f"posttrain.job.local.{job.job_id}"
-    assert f"stopped process group {job.pgid}" in cancelled.payload["reason"], cancelled.payload
-    assert [e.event for e in events if e.event.startswith("posttrain.job.")] == ["posttrain.job.submitted",
-                                                                                 "posttrain.job.cancelled"]
+    assert_cancelled(flow_run_id, job, f"stopped process group {job.pgid}")
     return stopped_s
 
 

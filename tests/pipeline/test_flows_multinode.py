@@ -15,8 +15,8 @@ import pytest
 from posttrain.publish.ledger import Ledger
 from posttrain.storage import open_store
 from tests.pipeline.conftest import NIGHTLY
-from tests.pipeline.runs import flow_run_logs, prefect_cli, run_deployment, wait_final
-from tests.pipeline.test_flows_cancel import sacct_state, start_long_run
+from tests.pipeline.runs import run_deployment, wait_final
+from tests.pipeline.test_flows_cancel import assert_cancelled, request_cancel, sacct_state, start_long_run
 from tests.runs.test_training_slurm_2nodes import job_processes, two_node_cluster
 
 pytestmark = pytest.mark.slow
@@ -91,9 +91,7 @@ def test_cancelling_a_two_node_run_leaves_nothing_on_either_node(process_worker,
         time.sleep(0.5)
     assert job_processes(job_dir)
 
-    t0 = time.monotonic()
-    cancel = prefect_cli("flow-run", "cancel", flow_run_id)
-    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    t0 = request_cancel(flow_run_id)
     while not sacct_state(job.job_id).startswith("CANCELLED"):  # the Slurm acceptance bound
         assert time.monotonic() - t0 < 30, f"job {job.job_id} {sacct_state(job.job_id)} 30 s after cancelling"
         time.sleep(0.5)
@@ -102,10 +100,7 @@ def test_cancelling_a_two_node_run_leaves_nothing_on_either_node(process_worker,
         assert time.monotonic() - t0 < cancelled_s + 10, f"left on the nodes: {job_processes(job_dir)}"
         time.sleep(0.2)
     gone_s = time.monotonic() - t0
-    run = wait_final(flow_run_id, timeout=60)
-    assert run.state.is_cancelled(), f"{run.state_name}: {run.state.message}"
-    logs = "\n".join(flow_run_logs(flow_run_id))
-    assert f"slurm job {job.job_id} cancelled (scancel" in logs, logs[-3000:]
+    assert_cancelled(flow_run_id, job, f"slurm job {job.job_id} cancelled (scancel")
     steps = subprocess.run(["sacct", "-n", "-P", "-j", job.job_id, "-o", "JobID,NodeList,State"],
                            capture_output=True, text=True).stdout.split()
     assert any("n[1-2]" in s for s in steps), steps

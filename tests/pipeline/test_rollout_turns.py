@@ -31,16 +31,30 @@ def test_the_database_decides(monkeypatch, db, serial):
 
 
 def test_shards_hold_the_turn_only_while_starting(monkeypatch):
+    """Four shards' bodies run at once: each waits for all four to be in their bodies, which only
+    happens if none holds the turn past its start (the turn waits up to 30 s; the barrier 10)."""
     monkeypatch.setenv("POSTTRAIN_PREFECT_DB", "sqlite")
     log: list = []
-    monkeypatch.setattr(rollouts, "rollout_shard", _fake_subflow(log, body_s=0.2))
+    together = threading.Barrier(4, timeout=10)
+    met: list[bool] = []
+    fake = _fake_subflow(log, body_s=0)
+
+    def subflow(*args):
+        out = fake(*args)
+        try:
+            together.wait()
+            met.append(True)
+        except threading.BrokenBarrierError:
+            met.append(False)
+        return out
+
+    monkeypatch.setattr(rollouts, "rollout_shard", subflow)
     threads = [threading.Thread(target=rollouts._rollout_shard, args=(i, None, "", "")) for i in range(4)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
-    assert time.monotonic() - t0 < 0.6  # the bodies overlapped (4 x 0.2 s one after another: 0.8 s)
+        t.join(30)
+    assert met == [True] * 4  # the bodies overlapped
     assert log == [("start-turn-held", True)] * 4
     assert not rollouts._TURNS.locked()
 

@@ -13,7 +13,7 @@ from prefect.tasks import exponential_backoff
 
 from posttrain.chain.policy import ChainPolicy
 from posttrain.inference.contract import HotLoadResult
-from posttrain.lora import LoraError, base_fingerprint, is_adapter_dir, read_adapter
+from posttrain.lora import is_adapter_dir
 from posttrain.lora.merge import merge_adapter
 from posttrain.lora.packed import pack_adapter
 from posttrain.pipeline.settings import RunSettings
@@ -70,12 +70,7 @@ def pack_lora(adapter: str, step: int, run: RunSettings) -> str:
     have been trained on the run's base (by fingerprint), else nothing is packed or published."""
     out = run.run_dir / "packed" / f"checkpoint-{step}"
     if not out.exists():
-        found = read_adapter(adapter)
-        if found.base is None or found.base.fingerprint != base_fingerprint(run.base_model):
-            trained_on = f"base {found.base.path}" if found.base else "an unrecorded base"
-            raise LoraError(f"adapter {adapter} was trained on {trained_on}, not on the run's base_model "
-                            f"{run.base_model} (fingerprints differ); nothing was published")
-        pack_adapter(adapter, out)
+        pack_adapter(adapter, out, base_dir=run.base_model)
     return str(out)
 
 

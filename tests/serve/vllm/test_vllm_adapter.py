@@ -92,6 +92,7 @@ def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(ga
     api = Api(gateway.url)
     loader = make_client(gateway, timeout=300, fallback_to_full=False)
     ids, refs = published["ids"], published["refs"]
+    assert refs[0] != published["base_ref"] and refs[0] != refs[1]  # each adapter changes what is answered
     assert served_greedy(api)[0][0][0] == published["base_ref"][0][0]  # the base, before any adapter
     for i in (0, 1):
         result = loader.hot_load(ids[i], base_identity=ids[i - 1] if i else None)
