@@ -13,9 +13,14 @@ a plain function now, train-step); every API request of the flow's clients is co
              sample-and-score task)
   sample     sum and union of the sample-and-score bodies (they share one inference server)
   subflow    mean of (rollout-shard task body - its sample-and-score body): one subflow's cost
-  503s       API answers "retry later" (SQLite busy) that the client backed off on
+  503s       API answers "retry later" (SQLite busy), each retried: by posttrain's quick retry
+             (tens of ms) for a subflow's parent task run, else by Prefect's client
+  back-offs  those Prefect's client backed off on (2, 4, 8 s)
   API calls  requests to the Prefect API during the round (the last round's by endpoint, and
              the requests answered 503, are printed after each case's rounds)
+
+A case DB:SHARDS:all starts every shard's subflow at once (as before the shards took turns on
+PostgreSQL): run it next to DB:SHARDS for a baseline measured in the same run.
 
 By default it runs a matrix, each case in a process of its own against a server it starts on its
 own port and state folder (scripts/services/start-postgres.sh, start-prefect.sh) and stops at the
@@ -63,38 +68,42 @@ CALLS_503: list[tuple[float, str]] = []  # those answered 503
 
 
 def count_api_calls() -> None:
-    """Record every HTTP request the Prefect clients (sync and async) send, ids replaced by {id}."""
+    """Record every HTTP exchange of the Prefect clients (sync and async) with the API, ids replaced
+    by {id}: counted at httpx's transports, so a request sent again (posttrain's quick retry of a
+    503, Prefect's back-off) counts each time."""
     import re
 
     import httpx
 
     ids = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
     def record(request, response) -> None:
+        if not str(request.url).startswith(os.environ.get("PREFECT_API_URL", "")):
+            return  # not Prefect's
         path = ids.sub("{id}", request.url.path.split("/api", 1)[-1])
         with _lock:
             CALLS.append((time.time(), f"{request.method} {path}"))
             if response is not None and response.status_code == 503:
                 CALLS_503.append((time.time(), f"{request.method} {path}"))
 
-    sync_send, async_send = httpx.Client.send, httpx.AsyncClient.send
+    sync_send, async_send = httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request
 
-    def send(self, request, *a, **kw):
+    def send(self, request):
         response = None
         try:
-            response = sync_send(self, request, *a, **kw)
+            response = sync_send(self, request)
             return response
         finally:
             record(request, response)
 
-    async def asend(self, request, *a, **kw):
+    async def asend(self, request):
         response = None
         try:
-            response = await async_send(self, request, *a, **kw)
+            response = await async_send(self, request)
             return response
         finally:
             record(request, response)
 
-    httpx.Client.send, httpx.AsyncClient.send = send, asend
+    httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request = send, asend
 
 
 def timed(task_obj, label: str, round_of, shard_of=None, module=None) -> None:
@@ -143,7 +152,9 @@ def union(intervals: list[tuple[float, float]]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="postgres:8,postgres:32,postgres:64,sqlite:8",
-                    help="comma-separated DB:SHARDS (DB: postgres or sqlite)")
+                    help="comma-separated DB:SHARDS[:STARTS] (DB: postgres or sqlite; STARTS: how many shards "
+                         "start their subflows at once, POSTTRAIN_SUBFLOW_STARTS, a number or 'all'; default: "
+                         "the flow's for that database)")
     ap.add_argument("--shards", type=int, help="one case, against $PREFECT_API_URL (no server started)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts-per-shard", type=int, default=2)
@@ -186,7 +197,7 @@ def own_children_cpu() -> float:
 
 
 def matrix(args: argparse.Namespace) -> None:
-    cases = [(db, int(n)) for db, n in (c.split(":") for c in args.cases.split(","))]
+    cases = [(f[0], int(f[1]), f[2] if len(f) > 2 else "") for f in (c.split(":") for c in args.cases.split(","))]
     sqlite_port, pg_port = (int(p) for p in args.ports.split(","))
     state = Path(args.state_dir)
     scripts = ROOT / "scripts/services"
@@ -199,17 +210,19 @@ def matrix(args: argparse.Namespace) -> None:
     started: list[tuple[str, dict]] = []
     results = []
     try:
-        for db, shards in cases:
+        for db, shards, starts in cases:
             port, home = servers[db]
             env = {**base_env, "POSTTRAIN_PREFECT_DB": db, "PREFECT_PORT": str(port),
                    "POSTTRAIN_PREFECT_DIR": str(home)}
+            if starts:
+                env["POSTTRAIN_SUBFLOW_STARTS"] = str(shards if starts == "all" else int(starts))
             if db == "postgres" and not any(s == "stop-postgres.sh" for s, _ in started):
                 subprocess.run(["bash", str(scripts / "start-postgres.sh")], env=env, check=True)
                 started.append(("stop-postgres.sh", env))
             if not any(s == "stop-prefect.sh" and e["PREFECT_PORT"] == str(port) for s, e in started):
                 subprocess.run(["bash", str(scripts / "start-prefect.sh")], env=env, check=True)
                 started.insert(0, ("stop-prefect.sh", env))
-            out = state / f"summary-{db}-{shards}.json"
+            out = state / f"summary-{db}-{shards}-{starts}.json"
             out.unlink(missing_ok=True)
             load0, server0, client0 = loadavg(), cpu_seconds(home / "server.pid"), own_children_cpu()
             child = [sys.executable, __file__, "--shards", str(shards), "--rounds", str(args.rounds),
@@ -221,24 +234,25 @@ def matrix(args: argparse.Namespace) -> None:
             if summary is not None:  # the whole flow: the rounds, the final publish and hot-load, setup
                 summary["server_cpu"] = cpu_seconds(home / "server.pid") - server0
                 summary["client_cpu"] = own_children_cpu() - client0
-            results.append((db, shards, summary, load0, loadavg()))
+            results.append((db, shards, starts or "default", summary, load0, loadavg()))
     finally:
         for script, env in started:
             subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
-    header = (f"{'server':>8} {'shards':>6} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
-              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'API calls':>9} {'start gap s':>11} {'end gap s':>9} "
+    header = (f"{'server':>8} {'shards':>6} {'starts':>7} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
+              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'back-offs/round':>15} {'API calls':>9} {'start gap s':>11} {'end gap s':>9} "
               f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
-    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. start gap: hot-load end to the first "
+    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. starts: shards that start their subflows "
+          "at once. start gap: hot-load end to the first "
           "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
           "setup, final publish)")
     print(header)
     print("-" * len(header))
-    for db, shards, m, l0, l1 in results:
+    for db, shards, starts, m, l0, l1 in results:
         if m is None:
-            print(f"{db:>8} {shards:>6}  failed")
+            print(f"{db:>8} {shards:>6} {starts:>7}  failed")
             continue
-        print(f"{db:>8} {shards:>6} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
-              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['retries_503']:>10.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
+        print(f"{db:>8} {shards:>6} {starts:>7} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
+              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['answers_503']:>10.1f} {m['retries_503']:>15.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
               f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
 
@@ -297,7 +311,7 @@ def run(args: argparse.Namespace) -> dict:
     runs_per_round = 1 + 1 + (3 if hasattr(rollouts.sample_and_score, "fn") else 2) * args.shards + 1
     header = (f"{'round':>5} {'wall s':>7} {'bodies s':>8} {'overhead s':>10} {'overhead %':>10} "
               f"{'runs':>4} {'per run ms':>10} {'per shard ms':>12} {'sample sum s':>12} {'sample union s':>14} "
-              f"{'subflow ms':>10} {'503s':>4} {'gaps s: pub>load load>sample sample>train':>42}")
+              f"{'subflow ms':>10} {'503s':>4} {'back-offs':>9} {'gaps s: pub>load load>sample sample>train':>42}")
     print()
     print(f"GRPO, {args.shards} shards x {args.prompts_per_shard} prompts x {args.num_generations} completions, "
           f"{args.rounds} rounds, Prefect API {os.environ['PREFECT_API_URL']} "
@@ -314,6 +328,7 @@ def run(args: argparse.Namespace) -> dict:
         shard_tasks = {b[4]: b for b in bodies if b[0] == "shard-task"}
         window = (min(s for s, _ in outer), max(e for _, e in outer))
         retries = sum(window[0] <= t <= window[1] for t in RETRIES_503)
+        answers = sum(window[0] <= t <= window[1] for t, _ in CALLS_503)
         calls = [c for t, c in CALLS if window[0] <= t <= window[1]]
         per_round_calls.append(calls)
         wall = row["round s"]
@@ -329,12 +344,12 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{r:>5} {wall:>7.2f} {busy:>8.2f} {overhead:>10.2f} {100 * overhead / wall:>10.1f} "
               f"{runs_per_round:>4} {1000 * overhead / runs_per_round:>10.0f} {1000 * overhead / args.shards:>12.0f} "
               f"{sum(e - s for _, _, s, e, _ in samples):>12.2f} {union([(s, e) for _, _, s, e, _ in samples]):>14.2f} "
-              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {retries:>4} "
+              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {answers:>4} {retries:>9} "
               f"{gaps[0]:>12.2f} {gaps[1]:>12.2f} {gaps[2]:>12.2f}")
         rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
                      "per_run_ms": 1000 * overhead / runs_per_round,
                      "subflow_ms": 1000 * statistics.fmean(subflow) if subflow else float("nan"),
-                     "retries_503": retries, "api_calls": len(calls), "gap_start": gaps[1], "gap_end": gaps[2]})
+                     "retries_503": retries, "answers_503": answers, "api_calls": len(calls), "gap_start": gaps[1], "gap_end": gaps[2]})
     from collections import Counter
 
     print(f"API requests per round (median {statistics.median(len(c) for c in per_round_calls)}); "

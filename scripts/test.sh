@@ -6,7 +6,7 @@
 #   POSTTRAIN_TEST_WORKERS  pytest-xdist workers (default 2): the Prefect and Slurm tests run in one,
 #                         one after another (tests/conftest.py); the other modules share the rest
 #   POSTTRAIN_PREFECT_DB  postgres (default here) or sqlite: the Prefect server's database; the
-#                         flows read it too (on sqlite their rollout shards take turns to start)
+#                         flows read it too (how many rollout shards start their subflows at once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -11,6 +11,8 @@
 #                          URL from $POSTTRAIN_POSTGRES_DIR/url; run start-postgres.sh first) |
 #                          a postgresql+asyncpg://user:password@host:port/db URL.
 #                          PREFECT_API_DATABASE_CONNECTION_URL, when set, is used as it is.
+#   PREFECT_SERVER_SERVICES_{TASK_RUN_RECORDER,EVENT_PERSISTER}_{BATCH_SIZE,FLUSH_INTERVAL}
+#                          default here 1000 and 1 s (Prefect's: 1 and 20 events): see below
 #
 # Clients then need: export PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api
 # A new DB costs 10-15 s of migrations; an existing one starts in 4-6 s.
@@ -65,7 +67,17 @@ else
   # analytics off: no outside network, and it would only log failures. The UI asks
   # /ui-settings for its API URL, which Prefect derives from PREFECT_SERVER_API_PORT,
   # not from --port: without these two the UI of a server on another port calls :4200.
-  setsid env PREFECT_HOME="$RUN/home" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_ENABLED="$ui" \
+  # The server's task-run recorder commits every task-run event on its own (batch size 1), and its
+  # event persister every 20 events: on SQLite each such commit can fail a concurrent API
+  # transaction that read before writing (503, and the client backs off 2 s). Batched, they
+  # commit once a second; task-run states reach the API up to a second later. Set them in the
+  # environment to override.
+  setsid env PREFECT_HOME="$RUN/home" \
+    PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE="${PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE:-1000}" \
+    PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL="${PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL:-1}" \
+    PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE="${PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE:-1000}" \
+    PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL="${PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL:-1}" \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_ENABLED="$ui" \
     PREFECT_SERVER_API_HOST=127.0.0.1 PREFECT_SERVER_API_PORT="$PORT" PREFECT_SERVER_UI_API_URL="$API" \
     PREFECT_API_DATABASE_CONNECTION_URL="$DB_URL" \
     "$BIN_DIR/prefect" server start --host 127.0.0.1 --port "$PORT" \

@@ -100,12 +100,26 @@ def wait_not_final(flow_run_id: str | UUID, timeout: float = 30):
         time.sleep(0.2)
 
 
-def task_runs(flow_run_id: str | UUID) -> list:
+def task_runs(flow_run_id: str | UUID, settle_s: float = 1.5, timeout: float = 20) -> list:
+    """The flow run's task runs as the server recorded them. Task-run states reach the server as
+    events, which its task-run recorder writes in batches (once a second with the start script's
+    settings), so this reads until two reads ``settle_s`` apart agree."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
+    def seen(runs: list) -> list:
+        return sorted((str(t.id), t.state_type, t.run_count) for t in runs)
+
+    deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(str(flow_run_id))]}))
+        read = lambda: client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(str(flow_run_id))]}))  # noqa: E731
+        runs = read()
+        while True:
+            time.sleep(settle_s)
+            again = read()
+            if seen(again) == seen(runs) or time.monotonic() > deadline:
+                return again
+            runs = again
 
 
 def subflow_runs(parent_flow_run_id: str | UUID, flow_name: str) -> list:

@@ -1,6 +1,7 @@
-"""Rollout shards take turns for their subflows' API writes on a SQLite-backed Prefect server
-(posttrain/pipeline/tasks/rollouts.py), and never keep the turn: checked without a server, with a
-stand-in for the subflow that marks where the real one releases and takes the turn."""
+"""Rollout shards take turns for their subflows' API writes (posttrain/pipeline/tasks/turns.py):
+one at a time on a SQLite-backed Prefect server, a few at a time on PostgreSQL, and never keep
+a turn: checked without a server, with a stand-in for the subflow that gives the turn back and
+takes it again where the real one does."""
 
 from __future__ import annotations
 
@@ -9,25 +10,70 @@ import time
 
 import pytest
 
-from posttrain.pipeline.tasks import rollouts
+from posttrain.pipeline.tasks import rollouts, turns
+from posttrain.pipeline.tasks.turns import TURNS
 
 
-def _fake_subflow(log: list, fail: bool = False, body_s: float = 0.05):
+def _fake_subflow(log: list, fail: bool = False, body=lambda: time.sleep(0.05)):
     def subflow(spec, settings, inference, tokenizer_dir):
-        log.append(("start-turn-held", rollouts._TURNS.locked()))
-        rollouts._release()  # as the flow body does first
-        time.sleep(body_s)  # sampling: overlaps between shards
-        if fail:
-            raise RuntimeError("sampling failed")
-        return spec
+        log.append(("start-turn-held", TURNS.held()))
+        TURNS.started()  # as the flow body does first
+        try:
+            body()  # sampling: overlaps between shards
+            if fail:
+                raise RuntimeError("sampling failed")
+            return spec
+        finally:
+            TURNS.finishing()
+            log.append(("end-turn-held", TURNS.held()))
     return subflow
 
 
-@pytest.mark.parametrize("db,serial", [("sqlite", True), ("", True), ("postgres", False),
-                                       ("postgresql+asyncpg://u:p@h/db", False)])
-def test_the_database_decides(monkeypatch, db, serial):
+@pytest.mark.parametrize("db,starts", [("sqlite", 1), ("", 1), ("postgres", 2),
+                                       ("postgresql+asyncpg://u:p@h/db", 2)])
+def test_the_database_decides(monkeypatch, db, starts):
+    monkeypatch.delenv("POSTTRAIN_SUBFLOW_STARTS", raising=False)
     monkeypatch.setenv("POSTTRAIN_PREFECT_DB", db)
-    assert rollouts.serial_subflow_writes() is serial
+    assert turns.starts_at_once() == starts
+
+
+def test_the_environment_sets_the_starts_at_once(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_SUBFLOW_STARTS", "5")
+    assert turns.starts_at_once() == 5
+    monkeypatch.setenv("POSTTRAIN_SUBFLOW_STARTS", "0")
+    with pytest.raises(ValueError, match="POSTTRAIN_SUBFLOW_STARTS must be a whole number >= 1, not '0'"):
+        turns.starts_at_once()
+
+
+def _starts_at_once_seen(monkeypatch, shards: int) -> int:
+    """Run ``shards`` shard tasks at once, each holding its start for a moment; the most that were
+    starting at the same time."""
+    starting, most, lock = [0], [0], threading.Lock()
+
+    def subflow(spec, settings, inference, tokenizer_dir):
+        with lock:
+            starting[0] += 1
+            most[0] = max(most[0], starting[0])
+        time.sleep(0.05)  # the subflow's start: Prefect's API calls
+        with lock:
+            starting[0] -= 1
+        TURNS.started()
+        return spec
+
+    monkeypatch.setattr(rollouts, "rollout_shard", subflow)
+    threads = [threading.Thread(target=rollouts._rollout_shard, args=(i, None, "", "")) for i in range(shards)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return most[0]
+
+
+@pytest.mark.parametrize("db,most", [("sqlite", 1), ("postgres", 2)])
+def test_at_most_that_many_shards_start_at_once(monkeypatch, db, most):
+    monkeypatch.delenv("POSTTRAIN_SUBFLOW_STARTS", raising=False)
+    monkeypatch.setenv("POSTTRAIN_PREFECT_DB", db)
+    assert _starts_at_once_seen(monkeypatch, 6) == most
 
 
 def test_shards_hold_the_turn_only_while_starting(monkeypatch):
@@ -37,48 +83,48 @@ def test_shards_hold_the_turn_only_while_starting(monkeypatch):
     log: list = []
     together = threading.Barrier(4, timeout=10)
     met: list[bool] = []
-    fake = _fake_subflow(log, body_s=0)
 
-    def subflow(*args):
-        out = fake(*args)
+    def body():
         try:
             together.wait()
             met.append(True)
         except threading.BrokenBarrierError:
             met.append(False)
-        return out
 
-    monkeypatch.setattr(rollouts, "rollout_shard", subflow)
+    monkeypatch.setattr(rollouts, "rollout_shard", _fake_subflow(log, body=body))
     threads = [threading.Thread(target=rollouts._rollout_shard, args=(i, None, "", "")) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert met == [True] * 4  # the bodies overlapped
-    assert log == [("start-turn-held", True)] * 4
-    assert not rollouts._TURNS.locked()
+    assert sorted(log) == [("end-turn-held", True)] * 4 + [("start-turn-held", True)] * 4
+    assert _starts_at_once_seen(monkeypatch, 3) == 1  # every turn was given back
 
 
 def test_a_failing_subflow_gives_the_turn_back(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_PREFECT_DB", "sqlite")
-    monkeypatch.setattr(rollouts, "rollout_shard", _fake_subflow([], fail=True))
+    log: list = []
+    monkeypatch.setattr(rollouts, "rollout_shard", _fake_subflow(log, fail=True))
     with pytest.raises(RuntimeError):
         rollouts._rollout_shard(0, None, "", "")
-    assert not rollouts._TURNS.locked()
+    assert log == [("start-turn-held", True), ("end-turn-held", True)]  # its Failed write had a turn
+    assert not TURNS.held()
+    assert _starts_at_once_seen(monkeypatch, 2) == 1
 
 
 def test_no_turn_outside_a_shard_task(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_PREFECT_DB", "sqlite")
-    rollouts._acquire()  # e.g. the subflow run alone: nothing would release a turn
-    assert not rollouts._TURNS.locked()
+    TURNS.finishing()  # e.g. the subflow run alone: nothing would give a turn back
+    assert not TURNS.held()
 
 
-def test_no_turns_on_postgres(monkeypatch):
+def test_no_turn_at_completion_on_postgres(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_PREFECT_DB", "postgres")
     log: list = []
     monkeypatch.setattr(rollouts, "rollout_shard", _fake_subflow(log))
     rollouts._rollout_shard(0, None, "", "")
-    assert log == [("start-turn-held", False)]
+    assert log == [("start-turn-held", True), ("end-turn-held", False)]
 
 
 def test_subflows_run_without_heartbeats_and_share_the_parent_task_client(monkeypatch):
@@ -91,7 +137,7 @@ def test_subflows_run_without_heartbeats_and_share_the_parent_task_client(monkey
     seen = []
 
     def subflow(spec, settings, inference, tokenizer_dir):
-        rollouts._release()
+        TURNS.started()
         seen.append((get_current_settings().flows.heartbeat_frequency, AsyncClientContext.get().client))
         return spec
 

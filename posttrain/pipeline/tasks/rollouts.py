@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import nullcontext
 
 from prefect import flow, get_run_logger, task
 from prefect.client.orchestration import PrefectClient
-from prefect.context import AsyncClientContext
+from prefect.context import AsyncClientContext, SyncClientContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 from prefect.tasks import exponential_backoff
 from prefect.utilities.asyncutils import run_coro_as_sync
 
+from posttrain.pipeline.tasks.api_retry import quick_retry_creates
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
+from posttrain.pipeline.tasks.turns import TURNS
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
 
 # The shards of a round load the inference block once per process (one API call instead of one
@@ -55,40 +56,11 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
 @flow(name="rollout-shard", flow_run_name="round-{spec.round}-shard-{spec.shard}")
 def rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     """One shard of a round: sample num_generations completions per prompt, score them."""
-    _release()  # started
-    return sample_and_score(spec, settings, inference, tokenizer_dir)
-
-
-# A subflow's start costs Prefect's server two transactions that read before they write (the
-# parent task run that tracks the subflow, then the flow run). On SQLite (WAL), such a transaction
-# fails at once with "database is locked" when another connection commits between its read and
-# its write: HTTP 503, and the client backs off 2, 4, 8 s. So against a SQLite-backed server the
-# shards of this process take turns to start their subflows: from the shard task's start until the
-# subflow's body runs (about eight API calls); sampling and completion still overlap (a turn at
-# completion too cost more than the back-offs it saved). A turn waits for the previous one at most _TURN_WAIT_S
-# (a short wait would let all the waiting shards go at once). POSTTRAIN_PREFECT_DB names the
-# server's database, as for scripts/services/start-prefect.sh: sqlite (the default, and the
-# embedded server's), or postgres or a postgresql URL, where the shards start all at once.
-_TURNS = threading.Lock()
-_TURN_WAIT_S = 30.0
-_held = threading.local()
-
-
-def serial_subflow_writes() -> bool:
-    return os.environ.get("POSTTRAIN_PREFECT_DB", "sqlite").strip().lower() in ("", "sqlite")
-
-
-def _acquire() -> None:
-    """Take this process's turn, only inside a shard task (whose end releases it, if the subflow's
-    body has not)."""
-    if getattr(_held, "in_task", False) and serial_subflow_writes() and not getattr(_held, "turn", False):
-        _held.turn = _TURNS.acquire(timeout=_TURN_WAIT_S)
-
-
-def _release() -> None:
-    if getattr(_held, "turn", False):
-        _held.turn = False
-        _TURNS.release()
+    TURNS.started()
+    try:
+        return sample_and_score(spec, settings, inference, tokenizer_dir)
+    finally:
+        TURNS.finishing()
 
 
 def subflow_settings() -> dict:
@@ -129,6 +101,7 @@ def _parent_task_client() -> PrefectClient | None:
 
             async def open_on_loop() -> PrefectClient:  # on Prefect's loop, where create_run asks
                 client = PrefectClient(str(api.url), api_key=_secret(api.key), auth_string=_secret(api.auth_string))
+                quick_retry_creates(client)
                 await client.__aenter__()
                 return client
 
@@ -137,16 +110,12 @@ def _parent_task_client() -> PrefectClient | None:
 
 
 def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
-    _held.in_task = True
-    _acquire()
-    try:
-        with temporary_settings(updates=subflow_settings()):
-            client = _parent_task_client()
-            with AsyncClientContext.model_construct(client=client) if client else nullcontext():
-                return rollout_shard(spec, settings, inference, tokenizer_dir)
-    finally:
-        _held.in_task = False
-        _release()
+    with TURNS.shard_task(), temporary_settings(updates=subflow_settings()):
+        if (flow_client := SyncClientContext.get()) is not None:  # the subflow's engine creates its run with it
+            quick_retry_creates(flow_client.client)
+        client = _parent_task_client()
+        with AsyncClientContext.model_construct(client=client) if client else nullcontext():
+            return rollout_shard(spec, settings, inference, tokenizer_dir)
 
 
 # A task around the subflow: .map() runs the round's shards concurrently, and a failing shard is
