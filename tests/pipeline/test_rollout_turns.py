@@ -11,6 +11,7 @@ import time
 import pytest
 
 from posttrain.pipeline.tasks import rollouts, turns
+from posttrain.pipeline.tasks.api_retry import QuickRetryOn503
 from posttrain.pipeline.tasks.turns import TURNS
 
 
@@ -131,7 +132,8 @@ def test_subflows_run_without_heartbeats_and_share_the_parent_task_client(monkey
     """Inside a shard task, the subflow sees no heartbeat setting (Prefect's engine would join a
     heartbeat thread sleeping in 1 s steps at the subflow's end) and the process's one async
     client, which Prefect's create_run picks up on its event loop; the settings outside are kept."""
-    from prefect.context import AsyncClientContext
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.context import AsyncClientContext, SyncClientContext
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     seen = []
@@ -143,10 +145,17 @@ def test_subflows_run_without_heartbeats_and_share_the_parent_task_client(monkey
 
     monkeypatch.setenv("POSTTRAIN_PREFECT_DB", "postgres")
     monkeypatch.setattr(rollouts, "rollout_shard", subflow)
-    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # nothing is sent
-        for shard in range(2):
-            rollouts._rollout_shard(shard, None, "x/y", "tok")
+    flow_client = SyncPrefectClient("http://127.0.0.1:9/api")  # the parent flow's, which the subflow's engine uses
+    token = SyncClientContext.__var__.set(SyncClientContext.model_construct(client=flow_client))
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # nothing is sent
+            for shard in range(2):
+                rollouts._rollout_shard(shard, None, "x/y", "tok")
+    finally:
+        SyncClientContext.__var__.reset(token)
+    assert isinstance(flow_client._client._transport, QuickRetryOn503)  # its flow-run creates too
     assert [hb for hb, _ in seen] == [None, None]
     assert seen[0][1] is seen[1][1] and not seen[0][1]._closed
+    assert isinstance(seen[0][1]._client._transport, QuickRetryOn503)  # its task-run creates retry quickly
     assert get_current_settings().flows.heartbeat_frequency is not None
     assert AsyncClientContext.get() is None
