@@ -291,6 +291,9 @@ class HotLoadService:
             self._finish(op, op.identity, t0)
         except Exception as e:  # noqa: BLE001 - every failure becomes the operation's condition
             reason = type(e).__name__
+            # logged before the state changes: whoever sees FAILED finds the reason in the log
+            log.warning("hot-load %s of %s FAILED (%s: %s); still serving %s", op.id, op.identity, reason, e,
+                        before.identity or "the boot weights")
             with self._lock:
                 op.conditions.append(condition(reason, str(e)))
             self._set(op, STATE_FAILED)
@@ -299,8 +302,6 @@ class HotLoadService:
                 shutil.rmtree(out, ignore_errors=True)
             if not isinstance(e, InjectedFault):
                 self.source.forget(fetched)
-            log.warning("hot-load %s of %s FAILED (%s: %s); still serving %s", op.id, op.identity, reason, e,
-                        before.identity or "the boot weights")
         finally:
             shutil.rmtree(view, ignore_errors=True)
 
