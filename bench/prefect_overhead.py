@@ -24,11 +24,13 @@ PostgreSQL): run it next to DB:SHARDS for a baseline measured in the same run.
 
 By default it runs a matrix, each case in a process of its own against a server it starts on its
 own port and state folder (scripts/services/start-postgres.sh, start-prefect.sh) and stops at the
-end: Prefect on PostgreSQL with 8, 32 and 64 shards, then on embedded SQLite with 8 shards. It
-prints every case's rounds, then one line per case with the medians over its rounds and the load
-average (1 min) before and after the case. No assertions.
+end: Prefect on PostgreSQL with 8, 32 and 64 shards, then on embedded SQLite with 8 shards, each
+with the flow's turns and, as the baseline, all at once. It prints every case's rounds, then one
+line per case with the medians over its rounds, the ratios of its wall time and overhead to its
+baseline's, and the load average (1 min) before and after the case. No assertions. About 15
+minutes on 2 CPUs.
 
-    .venv/bin/python bench/prefect_overhead.py [--cases postgres:8,postgres:32,postgres:64,sqlite:8]
+    .venv/bin/python bench/prefect_overhead.py [--cases postgres:8:all,postgres:8,...,sqlite:8]
         [--rounds 3] [--ports 4320,4321] [--postgres-port 55432] [--state-dir DIR]
     # one case against a server that runs already:
     PREFECT_API_URL=http://127.0.0.1:4200/api POSTTRAIN_PREFECT_DB=sqlite .venv/bin/python \
@@ -151,7 +153,7 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="postgres:8,postgres:32,postgres:64,sqlite:8",
+    ap.add_argument("--cases", default="postgres:8:all,postgres:8,postgres:32:all,postgres:32,postgres:64:all,postgres:64,sqlite:8:all,sqlite:8",
                     help="comma-separated DB:SHARDS[:STARTS] (DB: postgres or sqlite; STARTS: how many shards "
                          "start their subflows at once, POSTTRAIN_SUBFLOW_STARTS, a number or 'all'; default: "
                          "the flow's for that database)")
@@ -238,11 +240,14 @@ def matrix(args: argparse.Namespace) -> None:
     finally:
         for script, env in started:
             subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
+    baselines = {(db, shards): m for db, shards, starts, m, _, _ in results if starts == "all" and m}
     header = (f"{'server':>8} {'shards':>6} {'starts':>7} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
+              f"{'wall/overhead vs all':>20} "
               f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'back-offs/round':>15} {'API calls':>9} {'start gap s':>11} {'end gap s':>9} "
               f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
     print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. starts: shards that start their subflows "
-          "at once. start gap: hot-load end to the first "
+          "at once; vs all: this case's wall time and overhead over those of the same case with every shard "
+          "starting at once, measured in this run. start gap: hot-load end to the first "
           "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
           "setup, final publish)")
     print(header)
@@ -251,7 +256,10 @@ def matrix(args: argparse.Namespace) -> None:
         if m is None:
             print(f"{db:>8} {shards:>6} {starts:>7}  failed")
             continue
+        base = baselines.get((db, shards)) if starts != "all" else None
+        versus = f"{m['wall'] / base['wall']:.2f}x/{m['overhead'] / base['overhead']:.2f}x" if base else "-"
         print(f"{db:>8} {shards:>6} {starts:>7} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
+              f"{versus:>20} "
               f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['answers_503']:>10.1f} {m['retries_503']:>15.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
               f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
