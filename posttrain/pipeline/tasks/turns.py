@@ -4,7 +4,7 @@ A subflow's start is about eight API calls (the parent task run that tracks it, 
 earlier run, the flow, the flow run, its name, Running, a read); its end is one (Completed).
 The shards of a round are mapped at once, so without turns every shard starts its subflow at the
 same moment, and none samples until the server has got through nearly all of them: on PostgreSQL
-at 64 shards, 3-6 s from the hot-load to the first sample on a 2-CPU machine. With turns, a few
+at 64 shards, 4-9 s from the hot-load to the first sample on a 2-CPU machine. With turns, a few
 shards start at a time; the first ones sample while the next ones start.
 
 On SQLite, two of those calls are transactions that read before they write, and SQLite (WAL)
