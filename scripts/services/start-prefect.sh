@@ -12,7 +12,7 @@
 #                          a postgresql+asyncpg://user:password@host:port/db URL.
 #                          PREFECT_API_DATABASE_CONNECTION_URL, when set, is used as it is.
 #   PREFECT_SERVER_SERVICES_{TASK_RUN_RECORDER,EVENT_PERSISTER}_{BATCH_SIZE,FLUSH_INTERVAL}
-#                          default here 1000 and 1 s (Prefect's: 1 and 20 events): see below
+#                          default here 1000 and 1 s (Prefect's: batches of 1 and 20, 5 s): see below
 #
 # Clients then need: export PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api
 # A new DB costs 10-15 s of migrations; an existing one starts in 4-6 s.

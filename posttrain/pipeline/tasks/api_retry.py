@@ -5,9 +5,14 @@ between ("database is locked"); Prefect's server rolls it back and answers 503, 
 client backs off 2, 4, 8 s. Creating a subflow's parent task run and its flow run are such
 transactions (each reads labels, then inserts), and they collide now and then with the server's
 own task-run recorder and event persister, which commit once a second. Sent again after tens of
-milliseconds, they go through: the other writer holds the lock for one commit. A 503 means the
-transaction was rolled back and nothing was written (Prefect's client sends it again too, only
-later). After ``DELAYS_S`` the 503 goes to Prefect's client as it came.
+milliseconds, they go through: the other writer holds the lock for one commit. This sends
+nothing that Prefect's client would not send anyway: it sends a request answered 503 again too,
+only 2 s later (the server answers 503 for errors it rolled back, such as the lock). After
+``DELAYS_S`` the 503 goes to Prefect's client as it came.
+
+The shard task wraps two clients: the shared one for the subflows' parent task runs, and the
+parent flow's sync client, with which Prefect's engine creates each subflow's flow run (so the
+parent flow's other task-run and flow-run creates retry quickly too).
 """
 
 from __future__ import annotations
