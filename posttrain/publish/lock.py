@@ -1,4 +1,4 @@
-"""One publisher per work folder: an ``flock`` on ``<work_dir>/.lock``.
+"""One publisher (or one ``posttrain serve``) per work folder: an ``flock`` on ``<work_dir>/.lock``.
 
 Two publishers on one work folder would spool, stage and promote the same folders under each
 other. The lock is taken when a ``Publisher`` is made and released when it is closed (or its
@@ -21,11 +21,12 @@ LOCK_NAME = ".lock"
 
 
 class WorkDirBusy(ChainError):
-    """Another publisher holds the work folder."""
+    """Another publisher (or server) holds the work folder."""
 
 
 class WorkDirLock:
-    def __init__(self, work_dir: Path, *, timeout: float = 0.0, poll: float = 0.1):
+    def __init__(self, work_dir: Path, *, timeout: float = 0.0, poll: float = 0.1, owner: str = "publisher"):
+        """``owner``: what holds such a lock, for the error a second one gets."""
         self.path = Path(work_dir) / LOCK_NAME
         self._fd: int | None = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -40,7 +41,7 @@ class WorkDirLock:
                         raise
                     if time.monotonic() >= deadline:
                         waited = f" after waiting {timeout:g}s" if timeout > 0 else ""
-                        raise WorkDirBusy(f"work dir {work_dir} is in use by another publisher "
+                        raise WorkDirBusy(f"work dir {work_dir} is in use by another {owner} "
                                           f"({self._holder(fd)}){waited}") from None
                     time.sleep(poll)
             os.ftruncate(fd, 0)

@@ -1,6 +1,6 @@
 """``POST /v1/completions`` with token ids in and out: the request's checks and the reply's shape.
 
-Only ``temperature`` and ``top_p`` are sampling controls here (hotload-api.md); any other one
+Only ``temperature`` and ``top_p`` are sampling controls here (docs/hotload-api.md); any other one
 is refused with a 400 that names it, rather than silently ignored, because a rollout sampled
 under a different distribution than the one the trainer assumes corrupts RL.
 """
@@ -54,22 +54,24 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default
 
 
 def check_request_size(body: object, limit: int | None) -> None:
-    """Refuse (400, naming the limit) a request whose prompts × n × max_tokens is over ``limit``:
-    the tokens one request may ask to generate. Fields that are malformed are left to the full
-    checks (``parse_request``, or the engine behind a gateway)."""
+    """Refuse (400, naming the limit) a request whose n x (prompt + max_tokens) tokens, summed over its
+    prompts, are over ``limit``: what the engine holds for it, and what a gateway that sends each
+    prompt n times (SGLang's) builds, so a short body cannot ask for gigabytes. Fields that are
+    malformed are left to the full checks (``parse_request``)."""
     if limit is None or not isinstance(body, dict):
         return
     prompt = body.get("prompt")
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt) else 1
+    prompts = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt) else [prompt]
+    lengths = [len(p) if isinstance(p, (list, str)) else 1 for p in prompts]
     n = body.get("n")
     n = n if _is_int(n) and n > 0 else 1
     max_tokens = body.get("max_tokens")
     max_tokens = max_tokens if _is_int(max_tokens) and max_tokens > 0 else DEFAULT_MAX_TOKENS
-    asked = prompts * n * max_tokens
+    asked = n * (sum(lengths) + len(lengths) * max_tokens)
     if asked > limit:
-        raise RequestError(400, f"prompts ({prompts}) x n ({n}) x max_tokens ({max_tokens}) = {asked} tokens is over "
-                                f"this server's limit of {limit} tokens per request (max_request_tokens); split the "
-                                "request", "prompt")
+        raise RequestError(400, f"n ({n}) x (prompt tokens + max_tokens ({max_tokens})) over {len(lengths)} "
+                                f"prompt(s) = {asked} tokens is over this server's limit of {limit} tokens per "
+                                "request (max_request_tokens); split the request", "prompt")
 
 
 def parse_request(body: object, *, model_name: str, vocab_size: int, max_positions: int | None,

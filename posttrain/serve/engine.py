@@ -62,6 +62,17 @@ class Engine(Protocol):
         version still served, or with the broken replicas reported by ``replica_errors``."""
         ...
 
+    def resume(self, folder: Path, identity: str) -> Served:
+        """At start, serve again the version a restarted server recorded (``folder``, checked against its
+        checksums already). Replicas that hold it already are adopted as they are, never reloaded with
+        the boot weights first."""
+        ...
+
+    def verify(self) -> None:
+        """Read back from every replica that it holds the version served; put back those that do not, and
+        raise ``EngineError`` naming the ones that cannot serve it."""
+        ...
+
     def complete(self, body: object) -> dict:
         """Answer an OpenAI-style ``/v1/completions`` body with token ids and logprobs, stamped
         with ``snapshot_identity``, the version that sampled it. Raises ``RequestError``."""

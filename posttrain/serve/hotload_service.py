@@ -1,4 +1,4 @@
-"""The hot-load operations of the reference server (shared/spec/hotload-api.md), without HTTP.
+"""The hot-load operations of the reference server (docs/hotload-api.md), without HTTP.
 
 One hot-load at a time: a create while one is unfinished fails with FAILED_PRECONDITION. A
 load downloads what the identity needs, reconstructs it beside the served weights, loads it
@@ -17,10 +17,13 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import xxhash
+
 from posttrain import redact
-from posttrain.chain.errors import FormatError
+from posttrain.chain.errors import ChainError, FormatError
 from posttrain.chain.fetch import SnapshotError, SnapshotSource
 from posttrain.chain.format import check_identity
+from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
 from posttrain.inference.protocol import (
     CACHE_POLICIES,
     CACHE_PRESERVE,
@@ -51,6 +54,7 @@ log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL user
 
 CREATE_FIELDS = {"deploymentId", "identity", "type", "promptCachePolicy", "hotLoadId", "incrementalSnapshotMetadata"}
 INCREMENTAL_FIELDS = {"previousSnapshotIdentity", "compressionFormat", "checksumFormat"}
+FOLDER_NAME_MAX = 200  # bytes of a rebuilt folder's name before its "-<operation id>" suffix
 
 
 class InjectedFault(Exception):
@@ -174,19 +178,31 @@ class HotLoadService:
         self._ops = {op.id: op for op in state.operations}
         self._seq = max((op.seq for op in state.operations), default=0)
         resumed = None
+        self._unresumed: tuple[str, str] | None = None  # a recorded version kept for the next start
         if state.identity is not None and state.folder is not None:
             folder = models / state.folder
             try:
-                self.engine.load(folder, state.identity)
-                resumed = state.identity
-                log.info("resumed: serving %s from %s, as before the restart", state.identity, folder)
-            except Exception as e:  # noqa: BLE001 - a version that cannot be reloaded: boot weights then
-                log.warning("could not resume %s from %s (%s: %s)", state.identity, folder, type(e).__name__, e)
+                _verify_held(folder)
+            except (OSError, ChainError) as e:  # damaged or gone: it can never be served again
+                log.warning("could not resume %s: its rebuilt folder %s fails its checks (%s); removing it",
+                            state.identity, folder, e)
+            else:
+                try:
+                    self.engine.resume(folder, state.identity)
+                    resumed = state.identity
+                    log.info("resumed: serving %s from %s, as before the restart", state.identity, folder)
+                except Exception as e:  # noqa: BLE001 - kept, with its record, for the next start
+                    self._unresumed = (state.identity, state.folder)
+                    log.warning("could not resume %s from %s (%s: %s); keeping it and its record for the next "
+                                "start", state.identity, folder, type(e).__name__, e)
         if resumed is None:
-            log.info("booted clean: serving the boot weights %s (no earlier version to resume in %s)",
-                     self.boot_dir or "", self.work_dir)
+            log.info("booted clean: serving the boot weights %s (%s)", self.boot_dir or "",
+                     f"{state.identity} is recorded but was not resumed" if state.identity else
+                     f"no earlier version recorded in {self.work_dir}")
         current = self.engine.current()
         held = {p.resolve() for p in (current.path, current.base) if p is not None}
+        if self._unresumed is not None:
+            held.add((models / self._unresumed[1]).resolve())
         for leftover in models.iterdir():
             if leftover.resolve() not in held:
                 log.info("removing %s, a rebuilt version no longer served", leftover)
@@ -199,11 +215,13 @@ class HotLoadService:
         served = self.engine.current()
         models = (self.work_dir / "models").resolve()
         in_models = served.identity is not None and served.path.resolve().parent == models
+        identity, folder = (served.identity, served.path.name) if in_models else (None, None)
+        if identity is None and self._unresumed is not None:  # still the boot weights: keep what to resume
+            identity, folder = self._unresumed
         with self._lock:
             ops = copy.deepcopy(list(self._ops.values()))
         try:
-            save_state(self.work_dir, ServerState(served.identity if in_models else None,
-                                                  served.path.name if in_models else None, ops))
+            save_state(self.work_dir, ServerState(identity, folder, ops))
         except OSError as e:
             log.warning("cannot record the server's state in %s: %s", self.work_dir, e)
 
@@ -250,9 +268,10 @@ class HotLoadService:
         if delay is not None:
             time.sleep(delay.seconds)
         view = self.work_dir / "views" / op.id
-        out = self._new_folder(op)
+        out: Path | None = None
         fetched: list[str] = []
         try:
+            out = self._new_folder(op)
             fault = self.faults.take("fail_hotload", snapshot_type=op.type)
             if fault is not None:
                 raise InjectedFault(fault.reason)
@@ -269,7 +288,8 @@ class HotLoadService:
             plan = self.source.plan(op.identity, before.identity)
             with self._lock:
                 op.snapshot_chain = list(plan.snapshots)
-            if not plan.snapshots:  # it serves this identity already
+            if not plan.snapshots:  # it serves this identity already: every replica is checked to hold it
+                self.engine.verify()
                 self._finish(op, before.identity, t0)
                 return
             fetched = list(plan.snapshots)
@@ -283,6 +303,10 @@ class HotLoadService:
             reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
             t = self._stage(op, "apply", t)
             now = self.engine.load(out, op.identity)
+            if self._unresumed is not None:  # a version served now: the one a restart could not resume goes
+                self._unresumed, dropped = None, self.work_dir / "models" / self._unresumed[1]
+                if dropped.resolve() != now.path.resolve():
+                    self._discard(dropped)
             self._save()  # recorded before the previous folder goes: a restart always finds what it names
             for folder in {before.path, before.base} - {now.path, now.base, None}:  # an adapter's base stays
                 self._discard(folder)
@@ -298,7 +322,7 @@ class HotLoadService:
                 op.conditions.append(condition(reason, str(e)))
             self._set(op, STATE_FAILED)
             self._set_replicas(REPLICA_READY, before.identity)
-            if out.exists():
+            if out is not None and out.exists():
                 shutil.rmtree(out, ignore_errors=True)
             if not isinstance(e, InjectedFault):
                 self.source.forget(fetched)
@@ -308,7 +332,7 @@ class HotLoadService:
     def _new_folder(self, op: Operation) -> Path:
         """Where to rebuild ``op``'s version: never the folder served, and empty (a run killed
         mid-rebuild may have left the same name behind)."""
-        out = self.work_dir / "models" / f"{op.identity}-{op.id[:12]}"
+        out = self.work_dir / "models" / f"{_folder_name(op.identity)}-{op.id[:12]}"
         if out.resolve() == self.engine.current().path.resolve():
             out = out.with_name(f"{out.name}-{uuid.uuid4().hex[:8]}")
         if out.exists():
@@ -344,6 +368,25 @@ class HotLoadService:
         models = (self.work_dir / "models").resolve()
         if path.resolve().parent == models and path.resolve() != (self.boot_dir or Path("/")).resolve():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _folder_name(identity: str) -> str:
+    """A folder name for ``identity`` that leaves room for a suffix within the file system's 255 bytes
+    (identities may be 255 characters): a long one keeps its start and a digest of the whole."""
+    if len(identity.encode()) <= FOLDER_NAME_MAX:
+        return identity
+    return f"{identity.encode()[:FOLDER_NAME_MAX - 33].decode(errors='ignore')}-{xxhash.xxh3_128_hexdigest(identity.encode())}"
+
+
+def _verify_held(folder: Path) -> None:
+    """Check a rebuilt folder before serving it again: every file and every tensor's bytes against its
+    ``posttrain.checksums.json`` (a byte changed on disk since the rebuild is caught here)."""
+    if not folder.is_dir():
+        raise FormatError(f"{folder}: not a folder")
+    manifest = load_manifest(folder)
+    if manifest is None:
+        raise FormatError(f"{folder}: no {MANIFEST_NAME} to check it against")
+    manifest.check_all(deep=True)
 
 
 def _identity(value: object, what: str) -> str:

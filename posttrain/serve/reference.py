@@ -49,6 +49,12 @@ class ReferenceEngine:
         self.slot.swap(new)
         return Served(new.identity, new.path)
 
+    def resume(self, folder: Path, identity: str) -> Served:
+        return self.load(folder, identity)
+
+    def verify(self) -> None:
+        pass  # the model in this process is the one swapped in: nothing else can change it
+
     def replica_errors(self) -> dict[str, str]:
         return {}  # one model in this process serves every replica
 

@@ -10,8 +10,9 @@ embeddings its CPU build keeps the old LM head. So a hot-load here:
 2. holds new requests back and waits for those in flight (``checks.Gate``, and the engine's own
    pause), so every answer is stamped with the version that made it;
 3. switches each replica: in place (pause, reload, resume), or by restarting the engine on the
-   new folder where in place cannot be trusted, then checks that it answers and that its answers
-   changed (``_fingerprint``);
+   new folder where in place cannot be trusted, then reads back what it holds (``holding``: the
+   weight version it reports, its answers to a fixed prompt, which must have changed) and checks
+   its answers against the probe the trainer stored with the snapshot (``probe``), when there is one;
 4. on any failure puts every replica back on the previous version (restarting an engine that a
    failed reload broke) and raises, so the previous version is still served.
 
@@ -22,17 +23,19 @@ replica under its snapshot identity, probed, and only then are requests for the 
 it and the previous adapter unloaded; a failure unloads it again, leaving the previous version.
 
 A replica is an engine server this gateway started and supervises (an ``EngineProcess``:
-restarted on the served version when it dies, reported ERROR until then), or one at a URL that
-someone else runs (reported ERROR while it does not answer its health probe). Engine kinds plug in an ``EngineClient`` (``vllm.client``, ``sglang``).
+restarted on the served version when it dies), or one at a URL that someone else runs. Either way
+the gateway reads back at every health probe what the replica holds (``holding``), puts one found
+on other weights back on the served version, and sends it no request until it holds that version.
+Engine kinds plug in an ``EngineClient`` (``vllm.client``, ``sglang``).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain import redact
@@ -40,45 +43,44 @@ from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
 from posttrain.lora.packed import is_packed_adapter
 from posttrain.serve.adapters import PEFT_DIR, BaseCheck, refuse_adapters, unpacked
 from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
-from posttrain.serve.completions import RequestError, check_request_size
-from posttrain.serve.engine import EngineCallError, EngineClient, EngineError, EngineProcess, Served
+from posttrain.serve.completions import ACCEPTED, RequestError, parse_request
+from posttrain.serve.engine import EngineCallError, EngineError, Served
+from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, Replica, ReplicaChecks, read_label
 from posttrain.serve.model_slot import recorded_version
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
-PROBE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids every vocabulary has: the weights' fingerprint
 RESTART_WAIT_S = 600.0
+NO_LIMIT = 1 << 31
+
+__all__ = ["RemoteEngine", "Replica"]
 
 
-@dataclass
-class Replica:
-    name: str
-    client: EngineClient
-    process: EngineProcess | None = None  # a server this gateway supervises, or None for one at a URL
-    error: str | None = None  # why it does not serve; None when it does
-    restarting: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class RemoteEngine:
+class RemoteEngine(ReplicaChecks):
     def __init__(self, *, kind: str, model_dir: Path, model_name: str, replicas: list[Replica],
                  reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0,
-                 max_request_tokens: int | None = None, max_lora_rank: int | None = None):
+                 max_request_tokens: int | None = None, max_lora_rank: int | None = None,
+                 max_tokens_limit: int = NO_LIMIT, max_n: int = NO_LIMIT,
+                 tolerance: float = DEFAULT_FINGERPRINT_TOLERANCE):
         """``reload``: in-place, restart, or auto (restart when ``restart_when_tied`` and the model ties
         its embeddings: an engine kind whose in-place reload gets that wrong). ``max_lora_rank``: the
-        replicas load LoRA adapters at run time up to this rank; None refuses adapters."""
+        replicas load LoRA adapters at run time up to this rank; None refuses adapters. The request
+        limits are the reference server's (``completions.parse_request``); ``tolerance``: how far a
+        replica's answers to the probe prompt may move while it holds the same weights (``holding``)."""
         if not replicas:
             raise ValueError(f"the {kind} engine needs at least one replica")
         self.kind = kind
-        self.max_request_tokens = max_request_tokens  # prompts x n x max_tokens one request may ask for
+        self.max_request_tokens = max_request_tokens  # n x (prompt + max_tokens) one request may ask for
+        self.max_tokens_limit, self.max_n = max_tokens_limit, max_n
         self.restart_when_tied = restart_when_tied
         self.model_name = model_name
         self.replicas = replicas
         self.replica_names = [r.name for r in replicas]
         self.reload_mode = reload
+        self.tolerance = tolerance
         self.boot_dir = model_dir
         self.layout: Layout = folder_layout(model_dir)
-        self.max_positions = _max_positions(model_dir)
+        self.max_positions, self.vocab_size = _model_limits(model_dir)
         self._served = Served(recorded_version(model_dir), model_dir)
         self.max_lora_rank = max_lora_rank
         self._base_dir = model_dir  # the model folder the engines hold; an adapter is served on top of it
@@ -87,6 +89,12 @@ class RemoteEngine:
         self._gate = Gate()
         self._turn = itertools.count()
         self._closed = threading.Event()
+        self._wake = threading.Event()
+        for r in replicas:  # what each holds at start: what later readings are compared with
+            try:
+                r.label, r.expected = read_label(r), self._fingerprint(r)
+            except EngineCallError as e:
+                r.error = f"it did not answer a completion at start ({e})"
         self._monitor = threading.Thread(target=self._watch, args=(monitor_interval_s,), name=f"{kind}-monitor",
                                          daemon=True)
         self._monitor.start()
@@ -95,45 +103,67 @@ class RemoteEngine:
     def current(self) -> Served:
         return self._served
 
+    def _served_name(self) -> str:
+        return self._served.identity or "the boot weights"
+
     def replica_errors(self) -> dict[str, str]:
         return {r.name: r.error for r in self.replicas if r.error is not None}
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         for r in self.replicas:
             if r.process is not None:
                 r.process.stop()
             r.client.close()
 
     def complete(self, body: object) -> dict:
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        if body.get("model") != self.model_name:
-            raise RequestError(404, f"model {body.get('model')!r} does not exist; this deployment serves "
-                                    f"{self.model_name!r}", "model", kind="NotFoundError")
-        check_request_size(body, self.max_request_tokens)  # the engine would take any: the gateway bounds it
+        # the reference server's checks exactly: the engine would take fields the contract forbids
+        parse_request(body, model_name=self.model_name, vocab_size=self.vocab_size, max_positions=self.max_positions,
+                      max_tokens_limit=self.max_tokens_limit, max_n=self.max_n,
+                      max_request_tokens=self.max_request_tokens)
+        forwarded = {k: v for k, v in body.items() if k in ACCEPTED and v is not None}
         with self._gate.shared():
             served = self._served
-            replica = self._pick()
-            try:
-                reply = replica.client.complete({**body, "model": self._adapter or self.model_name})
-            except EngineCallError as e:
-                if e.status == 0:
-                    raise RequestError(503, f"{replica.name} did not answer ({e})",
-                                       kind="ServiceUnavailableError") from None
-                status = e.status if e.status and 400 <= e.status < 600 else 502
-                raise RequestError(status, f"{replica.name}: {e}") from None
+            for _ in range(len(self.replicas)):
+                replica = self._pick()
+                try:
+                    reply = replica.client.complete({**forwarded, "model": self._adapter or self.model_name})
+                except EngineCallError as e:
+                    if e.status == 0:
+                        self._suspect(replica, "it did not answer a request")
+                        raise RequestError(503, f"{replica.name} did not answer ({e})",
+                                           kind="ServiceUnavailableError") from None
+                    status = e.status if e.status and 400 <= e.status < 600 else 502
+                    raise RequestError(status, f"{replica.name}: {e}") from None
+                label = reply.get("weight_version")
+                if replica.label is None or label is None or label == replica.label:
+                    break
+                # answered by weights other than those stamped: never returned; another replica is asked
+                self._suspect(replica, f"it answered with weight version {label!r}, not {replica.label!r}")
+            else:
+                raise RequestError(503, "no replica answered with the served version; try again",
+                                   kind="ServiceUnavailableError")
         reply["model"] = self.model_name
         reply["snapshot_identity"] = served.identity  # which weights sampled these: the rollout's policy version
         return reply
 
-    def load(self, folder: Path, identity: str) -> Served:
+    def load(self, folder: Path, identity: str, *, resume: bool = False) -> Served:
+        """Switch every replica to ``folder``. ``resume``: a restarted gateway putting back the version it
+        recorded; a replica that already holds it (its reported weight version, or its answers to the
+        snapshot's probe) is adopted as it is, and answers need not have changed."""
         if is_packed_adapter(folder):
             return self._load_adapter(folder, identity)
         check_layout(folder, self.layout)
         _add_model_files(folder, self.boot_dir)
-        restart = self.reload_mode == "restart" or (
-            self.reload_mode == "auto" and self.restart_when_tied and ties_embeddings(folder))
+        restart = self._restart_needed(folder)
+        if restart:  # refused before any replica is touched: every one keeps serving
+            elsewhere = [r.name for r in self.replicas if r.process is None]
+            if elsewhere:
+                raise EngineError(
+                    f"{', '.join(elsewhere)}: cannot restart an engine someone else runs ({self.kind} at a URL); "
+                    f"{folder / CONFIG_NAME} ties the LM head to the embeddings, which {self.kind} does not reload "
+                    "in place correctly: let the gateway start the engine (no --engine-url)")
         self._wait_restarts()
         with self._gate.exclusive():
             previous, previous_base = self._served, self._base_dir
@@ -142,13 +172,19 @@ class RemoteEngine:
                 for r in self.replicas:
                     if r.error is not None:
                         raise EngineError(f"{r.name} is not serving ({r.error})")
-                    switched.append(r)
                     with r.lock:  # the monitor leaves a replica alone while it is switched
-                        before = self._fingerprint(r, self.model_name)
+                        if resume and self._holds_already(r, folder):
+                            log.info("%s holds %s already: adopted as it is", r.name, identity)
+                            continue
+                        switched.append(r)
+                        before = None if resume else self._fingerprint(r)
                         self._switch(r, folder, restart)
-                        if self._fingerprint(r, self.model_name) == before and not same_weights(folder, previous_base):
+                        self._took(r, folder)
+                        if (before is not None and r.expected == before
+                                and not same_weights(folder, previous_base)):
                             raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it did "
                                               "not take the new weights")
+                        self._check_probe(r, folder, previous_base)
             except Exception as e:
                 log.warning("hot-load of %s failed (%s); putting %d replica(s) back on %s", identity, e,
                             len(switched), previous.identity or "the boot weights")
@@ -160,6 +196,35 @@ class RemoteEngine:
                 self._drop_adapter(self._adapter)  # requests go to the new weights themselves now
             self._adapter = None
         return self._served
+
+    def resume(self, folder: Path, identity: str) -> Served:
+        return self.load(folder, identity, resume=True)
+
+    def _holds_already(self, r: Replica, folder: Path) -> bool:
+        """Whether ``r`` holds ``folder``'s weights now, read from ``r``: the weight version it reports, or
+        its answers to the probe stored with the snapshot. Without either, it cannot be known: False."""
+        label = read_label(r)
+        if label is not None:
+            if label != folder.name:
+                return False
+            r.label, r.expected = label, self._fingerprint(r)
+            return True
+        try:
+            if not self._check_probe(r, folder, None):
+                return False
+        except EngineError:
+            return False
+        r.expected = self._fingerprint(r)
+        return True
+
+    def _check_probe(self, r: Replica, folder: Path, previous: Path | None) -> bool:
+        """Check ``r``'s answers against the probe the trainer stored in ``folder`` (and the previous
+        version's, which they must be further from); True when checked, False when ``folder`` has none."""
+        return False
+
+    def _restart_needed(self, folder: Path) -> bool:
+        return self.reload_mode == "restart" or (
+            self.reload_mode == "auto" and self.restart_when_tied and ties_embeddings(folder))
 
     def _load_adapter(self, folder: Path, identity: str) -> Served:
         if self.max_lora_rank is None:
@@ -176,15 +241,23 @@ class RemoteEngine:
                     with r.lock:
                         loaded.append(r)
                         r.client.load_adapter(identity, folder / PEFT_DIR)
-                        self._fingerprint(r, identity)  # it answers with the adapter
+                        r.expected = self._fingerprint(r, identity)  # it answers with the adapter
             except Exception as e:
                 log.warning("hot-load of adapter %s failed (%s); unloading it from %d replica(s), still serving %s",
                             identity, e, len(loaded), self._served.identity or "the boot weights")
                 self._drop_adapter(identity, loaded)
+                for r in loaded:
+                    r.expected = self._fingerprint_or_none(r)
                 raise
             self._served, self._adapter = Served(identity, folder, base=self._base_dir), identity
             self._drop_adapter(old)
         return self._served
+
+    def _fingerprint_or_none(self, r: Replica) -> list[float] | None:
+        try:
+            return self._fingerprint(r)
+        except EngineCallError:
+            return None
 
     def _drop_adapter(self, name: str | None, replicas: list[Replica] | None = None) -> None:
         """Unload adapter ``name`` where it is loaded; one that will not unload only costs a LoRA slot."""
@@ -204,11 +277,7 @@ class RemoteEngine:
     # ------------------------------------------------------------------ switching
     def _switch(self, r: Replica, folder: Path, restart: bool) -> None:
         if restart:
-            if r.process is None:
-                raise EngineError(f"{r.name}: cannot restart an engine someone else runs ({self.kind} at a URL); "
-                                  f"{folder / CONFIG_NAME} ties the LM head to the embeddings, which {self.kind} does "
-                                  "not reload in place correctly: let the gateway start the engine (no --engine-url)")
-            r.process.restart(folder)
+            r.process.restart(folder)  # load() refused replicas at a URL before touching any
             return
         r.client.pause()
         try:
@@ -225,9 +294,9 @@ class RemoteEngine:
             try:
                 if not restart:
                     self._switch(r, folder, restart=False)
-                    self._fingerprint(r)
+                    self._took(r, folder)
                     return
-            except EngineCallError as e:
+            except (EngineCallError, EngineError) as e:
                 log.warning("%s: reloading the previous weights failed (%s); restarting it", r.name, e)
             if r.process is None:
                 r.error = "a failed reload left this engine unable to serve; restart it"
@@ -235,19 +304,10 @@ class RemoteEngine:
             try:
                 r.process.restart(folder)
                 self._reattach(r)
+                self._took(r, folder)
                 r.error = None
             except Exception as e:  # noqa: BLE001 - reported as the replica's state
                 r.error = f"restart on the previous weights failed: {e}"
-
-    def _fingerprint(self, r: Replica, model: str | None = None) -> list[float]:
-        """Greedy logprobs of a fixed prompt: what this replica's weights answer (and that it answers);
-        ``model``: the engines' name to ask (default: what requests go to now)."""
-        body = {"model": model or self._adapter or self.model_name, "prompt": PROBE_PROMPT, "max_tokens": 2, "temperature": 0.0,
-                "logprobs": 1, "prompt_logprobs": 1}
-        reply = r.client.complete(body)
-        choice = reply["choices"][0]
-        prompt = [_logprob(next(iter(d.values()))) for d in choice.get("prompt_logprobs") or [] if isinstance(d, dict) and d]
-        return [x for x in prompt if x is not None] + [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
     # ------------------------------------------------------------------ replicas
     def _pick(self) -> Replica:
@@ -262,46 +322,6 @@ class RemoteEngine:
         while any(r.restarting for r in self.replicas) and time.monotonic() < deadline:
             time.sleep(0.5)
 
-    def _watch(self, interval: float) -> None:
-        """Restart a supervised engine that died, on the version served now; ERROR until it is back.
-        A replica at a URL is ERROR while it does not answer its health probe."""
-        while not self._closed.wait(interval):
-            for r in self.replicas:
-                if r.process is None and not self._closed.is_set():
-                    self._probe(r)
-                if r.process is None or self._closed.is_set() or not r.lock.acquire(blocking=False):
-                    continue  # a replica being switched or restored is not watched meanwhile
-                try:
-                    if not r.process.alive():
-                        self._revive(r)
-                finally:
-                    r.lock.release()
-
-    def _revive(self, r: Replica) -> None:
-        """Restart a supervised engine that died on the version served now (the caller holds ``r.lock``)."""
-        r.restarting = True
-        r.error = f"the engine died; restarting it on {self._served.identity or 'the boot weights'}"
-        log.warning("%s: %s", r.name, r.error)
-        try:
-            r.process.restart(self._base_dir)
-            self._reattach(r)
-            r.error = None
-            log.info("%s serves again", r.name)
-        except Exception as e:  # noqa: BLE001 - reported as the replica's state
-            r.error = f"the engine died and did not restart: {e}"
-        finally:
-            r.restarting = False
-
-    def _probe(self, r: Replica) -> None:
-        unreachable = f"{self.kind} at a URL does not answer its health probe; whoever runs it must restart it"
-        healthy = r.client.health()
-        if not healthy and r.error is None:
-            r.error = unreachable
-            log.warning("%s: %s", r.name, r.error)
-        elif healthy and r.error == unreachable:  # other errors (a failed restore) stay
-            r.error = None
-            log.info("%s answers again", r.name)
-
 
 def _add_model_files(folder: Path, boot_dir: Path) -> None:
     """Give a rebuilt folder (weights and config.json) the boot folder's other files (tokenizer,
@@ -311,19 +331,15 @@ def _add_model_files(folder: Path, boot_dir: Path) -> None:
             shutil.copy2(src, folder / src.name)
 
 
-def _logprob(value: object) -> float | None:
-    """A logprob as vLLM writes it in ``prompt_logprobs``: a number, or an object with ``logprob``."""
-    if isinstance(value, dict):
-        value = value.get("logprob")
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def _max_positions(model_dir: Path) -> int | None:
-    import json
-
+def _model_limits(model_dir: Path) -> tuple[int | None, int]:
+    """The model's context length (None when its config names none) and vocabulary size (no limit
+    when it names none): the bounds the reference server checks prompts against."""
     try:
         config = json.loads((model_dir / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings")
-    return value if isinstance(value, int) else None
+        return None, NO_LIMIT
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    positions = text.get("max_position_embeddings", config.get("max_position_embeddings"))
+    vocab = text.get("vocab_size", config.get("vocab_size"))
+    return (positions if isinstance(positions, int) else None), (vocab if isinstance(vocab, int) and vocab > 0
+                                                                 else NO_LIMIT)

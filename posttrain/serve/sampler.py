@@ -3,7 +3,7 @@
 Reports, for each sampled token, its log-prob under the distribution it was drawn from: the
 logits divided by the temperature, with top-p's cut applied and renormalised (vLLM's
 ``processed_logprobs``). With ``top_p`` = 1 this is log_softmax(logits / T), the quantity the
-trainer recomputes. Greedy (T = 0) reports log_softmax(logits).
+trainer recomputes. Greedy (T = 0, or below ``GREEDY_BELOW``) reports log_softmax(logits).
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ import secrets
 from dataclasses import dataclass
 
 import torch
+
+
+# A temperature below this samples greedily, as vLLM does (its _SAMPLING_EPS): dividing the logits
+# by a smaller one overflows to inf and the probabilities to NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -29,7 +34,9 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-    sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+    cut = before >= top_p
+    cut[..., 0] = False  # the most likely token always stays: a top_p that rounds to 0 keeps just it
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
@@ -87,7 +94,7 @@ def _sample_rows(model, rows, device, max_tokens, temperature, top_p, eos_ids, p
     tokens, logps, finished_at = [], [], torch.full((batch,), -1, dtype=torch.long, device=device)
     for step in range(max_tokens):
         logits = res.logits[:, -1, :].float()
-        if temperature == 0:
+        if temperature < GREEDY_BELOW:
             logp = logits.log_softmax(-1)
             token = logits.argmax(-1, keepdim=True)
         else:

@@ -61,8 +61,15 @@ class ServeConfig(BaseModel):
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_n: int = Field(64, ge=1, description="Largest n a request may ask for.")
     max_request_tokens: int = Field(
-        262_144, ge=1, description="Largest prompts x n x max_tokens one completions request may ask for (every "
-        "engine): a request over it is refused with a 400 naming this limit, so that none holds the engine for long."
+        262_144, ge=1, description="Largest n x (prompt + max_tokens) tokens, summed over the prompts, one "
+        "completions request may ask for (every engine: what the engine holds and what a gateway builds): a "
+        "request over it is refused with a 400 naming this limit, so that none holds the engine or the gateway's "
+        "memory for long."
+    )
+    probe_interval_s: float = Field(
+        2.0, gt=0, le=3600, description="vllm, sglang: seconds between two health probes of each replica; each "
+        "also reads back what the replica holds (its weight version, or its answers to a fixed prompt), so a "
+        "replica restarted on other weights is put back or reported ERROR within one interval."
     )
     max_batch_rows: int = Field(64, ge=1, description="Sequences sampled together in one batch.")
     test_hooks: bool = Field(False, description="Serve /_test/faults and /_test/stats (fault injection). Tests only.")
@@ -83,6 +90,9 @@ class ServeConfig(BaseModel):
             if self.reload == "restart":
                 raise ValueError("reload restart needs an engine the gateway starts; with sglang use auto or "
                                  "in-place")
+        if self.engine == "vllm" and self.engine_urls and self.reload == "restart":
+            raise ValueError("reload restart needs engines the gateway starts; vLLM servers at engine_urls "
+                             "(--engine-url) are someone else's to restart: use auto or in-place")
         if not self.allow_remote and not _loopback(self.host):
             raise ValueError(f"host {self.host!r} is not a loopback address: the server would be reachable from "
                              "other machines; give allow_remote (--allow-remote) to mean it")

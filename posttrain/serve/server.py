@@ -4,7 +4,7 @@ Routes (every one needs ``Authorization: Bearer <token>``):
 
 - ``POST /v1/completions``: token-id prompts, ``n`` choices sampled in one batch, per-token log-probs;
 - ``GET /v1/models``, ``GET /health``;
-- the hot-load API of shared/spec/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
+- the hot-load API of docs/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
 - with test hooks only: ``POST|DELETE /_test/faults`` and ``GET /_test/stats``.
 
 The standard library server (not an ASGI one) is used because a test fault must be able to
@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from posttrain import redact
 from posttrain.chain.fetch import SnapshotSource
+from posttrain.publish.lock import WorkDirBusy, WorkDirLock
 from posttrain.inference.protocol import (
     API_PREFIX,
     GRPC_HTTP_STATUS,
@@ -79,6 +80,8 @@ class InferenceServer:
             self.httpd.server_activate()
         except BaseException:
             self.httpd.server_close()
+            if getattr(self, "_work_lock", None) is not None:
+                self._work_lock.release()
             raise
 
     def _open(self, config: ServeConfig, engine: Engine | None) -> None:
@@ -93,8 +96,12 @@ class InferenceServer:
         self.work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="posttrain-serve-"))
         try:
             self.work_dir.mkdir(parents=True, exist_ok=True)
+            # one server per work dir: a second would delete the folders the first serves
+            self._work_lock = WorkDirLock(self.work_dir, owner="posttrain serve")
         except OSError as e:
             raise ServeStartError(f"work_dir (--work-dir) {self.work_dir}: {e.strerror or e}") from None
+        except WorkDirBusy as e:
+            raise ServeStartError(f"work_dir (--work-dir): {e}") from None
         self.engine = engine or open_engine(config)
         self.model_name = self.engine.model_name
         self.test_hooks = config.test_hooks or bool(config.faults)
@@ -130,6 +137,7 @@ class InferenceServer:
         self.service.wait(timeout=30)
         self.engine.close()
         self.store.close()
+        self._work_lock.release()
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 

@@ -52,6 +52,12 @@ class SGLangClient(HTTPEngineClient):
         """``GET /get_model_info``: model_path, weight_version, ..."""
         return self._json("GET", "/get_model_info")
 
+    def weight_version(self) -> str | None:
+        """The name of the weights SGLang holds now (``get_model_info``'s ``weight_version``): the gateway
+        names every reload after its folder, so this says which version SGLang holds (``holding``)."""
+        version = self.model_info().get("weight_version")
+        return str(version) if version is not None else None
+
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """An OpenAI completions body through ``POST /generate``; the OpenAI-style answer.
 
@@ -156,5 +162,6 @@ def open_sglang_engine(config: ServeConfig) -> RemoteEngine:
                  info.get("weight_version"))
         replicas.append(Replica(f"sglang-{i}", client))
     return RemoteEngine(kind="sglang", model_dir=config.model_dir, model_name=name, replicas=replicas,
-                        reload=config.reload, restart_when_tied=False,
-                        max_request_tokens=config.max_request_tokens)
+                        reload=config.reload, restart_when_tied=False, monitor_interval_s=config.probe_interval_s,
+                        max_request_tokens=config.max_request_tokens, max_tokens_limit=config.max_tokens_limit,
+                        max_n=config.max_n)

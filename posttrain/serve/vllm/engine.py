@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, FINGERPRINT_TOLERANCE
 from posttrain.serve.remote import RemoteEngine, Replica
 from posttrain.serve.serve_config import ServeConfig
 from posttrain.serve.vllm.client import VLLMClient
@@ -44,5 +45,7 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
                 r.process.stop()
         raise
     return RemoteEngine(kind="vllm", model_dir=config.model_dir, model_name=name, replicas=replicas,
-                        reload=config.reload, restart_when_tied=True,
-                        max_request_tokens=config.max_request_tokens, max_lora_rank=config.vllm.max_lora_rank)
+                        reload=config.reload, restart_when_tied=True, monitor_interval_s=config.probe_interval_s,
+                        max_request_tokens=config.max_request_tokens, max_tokens_limit=config.max_tokens_limit,
+                        max_n=config.max_n, max_lora_rank=config.vllm.max_lora_rank,
+                        tolerance=FINGERPRINT_TOLERANCE.get(config.vllm.dtype, DEFAULT_FINGERPRINT_TOLERANCE))

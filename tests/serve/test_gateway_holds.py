@@ -1,0 +1,204 @@
+"""The gateway proves what it serves (issue 20): what a replica holds is read back from the replica
+(SGLang's weight version here, against FakeSGLang), a restarted engine is put back on the served
+version and never stamped with it meanwhile, a restarted gateway adopts what its replicas hold, a
+damaged rebuilt folder is never resumed, one server per work dir, and long identities."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import requests
+
+from posttrain.inference.protocol import API_PREFIX, STATE_COMPLETED, STATE_FAILED, TYPE_FULL
+from posttrain.serve.server import ServeStartError
+from posttrain.testing.fake_sglang import FakeSGLang
+from tests.support.serving import DEPLOYMENT, PROMPT, Api, start_server
+
+INTERVAL = 0.5  # the gateway's probe interval in these tests
+
+
+@pytest.fixture
+def running():
+    """Servers and fakes started by a test, stopped at its end."""
+    started: list = []
+    yield started
+    for s in reversed(started):
+        s.shutdown() if hasattr(s, "shutdown") else s.stop()
+
+
+def _gateway(chain, work, fake, running, **overrides):
+    server = start_server(chain, work, engine="sglang", engine_urls=[fake.url],
+                          **{"probe_interval_s": INTERVAL, **overrides})
+    running.append(server)
+    return server, Api(server.url)
+
+
+def _fake(chain, running, port: int = 0) -> FakeSGLang:
+    fake = FakeSGLang(chain.models[0], port=port).start()
+    running.append(fake)
+    return fake
+
+
+def _create(api: Api, identity: str, kind: str = TYPE_FULL) -> dict:
+    reply = api.post(API_PREFIX, json={"deploymentId": DEPLOYMENT, "identity": identity, "type": kind,
+                                       "hotLoadId": str(uuid.uuid4())})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["hotLoad"]
+
+
+def _wait_op(api: Api, op_id: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        op = api.get(f"{API_PREFIX}/{op_id}").json()["hotLoad"]
+        if op["status"]["state"] in (STATE_COMPLETED, STATE_FAILED):
+            return op
+        time.sleep(0.05)
+    raise AssertionError(f"hot-load {op_id} did not finish: {op}")
+
+
+def _replicas(api: Api, op_id: str) -> list[dict]:
+    return api.get(f"{API_PREFIX}/{op_id}/replicas").json()["replicas"]
+
+
+def test_an_engine_restarted_on_its_launch_weights_is_never_stamped_and_is_put_back(chain, tmp_path, running,
+                                                                                  make_client):
+    fake = _fake(chain, running)
+    server, api = _gateway(chain, tmp_path / "work", fake, running)
+    make_client(server).hot_load(chain.full)
+    op = _create(api, chain.full)  # a second operation, to read replicas through
+    folder, version = fake.model_path, fake.weight_version
+    assert api.complete(prompt=PROMPT, max_tokens=2)["weight_version"] == version
+
+    port = int(fake.url.rsplit(":", 1)[1])
+    fake.die()
+    restarted = _fake(chain, running, port)  # whoever runs SGLang restarted it: launch weights, "default"
+    t_restart = time.monotonic()
+    assert restarted.weight_version == "default"
+    stamped = []
+    while time.monotonic() - t_restart < 4 * INTERVAL + 2:
+        reply = requests.post(f"{server.url}/v1/completions", headers=api.headers,
+                              json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=10)
+        assert reply.status_code in (200, 503), reply.text
+        if reply.status_code == 200:
+            body = reply.json()
+            stamped.append(body["weight_version"])
+            # every answer stamped with the version the replica holds at that moment
+            assert (body["snapshot_identity"], body["weight_version"]) == (chain.full, version)
+        if restarted.weight_version == version:
+            break
+        time.sleep(0.05)
+    put_back = time.monotonic() - t_restart
+    assert (restarted.model_path, restarted.weight_version) == (folder, version), "not put back on the version"
+    assert put_back < 2 * INTERVAL + 2  # restored within one probe interval (plus the reload itself)
+    assert [r.path for r in restarted.requests if r.path == "/update_weights_from_disk"] == ["/update_weights_from_disk"]
+    time.sleep(INTERVAL)
+    assert [(r["state"], r["currentSnapshotIdentity"]) for r in _replicas(api, op["spec"]["id"])] == [
+        ("READY", chain.full)]
+    assert api.complete(prompt=PROMPT, max_tokens=2)["weight_version"] == version
+
+
+def test_a_hot_load_of_the_served_version_puts_back_a_replica_on_other_weights(chain, tmp_path, running,
+                                                                              make_client):
+    fake = _fake(chain, running)
+    server, api = _gateway(chain, tmp_path / "work", fake, running, probe_interval_s=3600)  # no probe between
+    make_client(server).hot_load(chain.full)
+    version = fake.weight_version
+    port = int(fake.url.rsplit(":", 1)[1])
+    fake.die()
+    restarted = _fake(chain, running, port)
+    op = _wait_op(api, _create(api, chain.full)["spec"]["id"])  # the same identity again
+    assert op["status"]["state"] == STATE_COMPLETED
+    assert restarted.weight_version == version  # reloaded, not "COMPLETED in 0.01 s reloading nothing"
+    assert api.complete(prompt=PROMPT, max_tokens=2)["weight_version"] == version
+
+
+def test_an_engine_that_cannot_be_put_back_is_error_and_takes_no_request(chain, tmp_path, running, make_client):
+    fake = _fake(chain, running)
+    server, api = _gateway(chain, tmp_path / "work", fake, running)
+    make_client(server).hot_load(chain.full)
+    op = _create(api, chain.full)
+    port = int(fake.url.rsplit(":", 1)[1])
+    fake.die()
+    restarted = _fake(chain, running, port)
+    for _ in range(50):  # every reload attempt fails: it must not serve
+        restarted.fail_next("/update_weights_from_disk", 400, {"success": False, "message": "disk gone"})
+    deadline = time.monotonic() + 2 * INTERVAL + 2
+    while time.monotonic() < deadline:
+        reps = _replicas(api, op["spec"]["id"])
+        if reps[0]["state"] == "ERROR" and "failed" in reps[0]["errorReason"]:
+            break
+        time.sleep(0.05)
+    assert reps[0]["state"] == "ERROR" and "disk gone" in reps[0]["errorReason"], reps
+    assert "weight version 'default'" in reps[0]["errorReason"]
+    reply = requests.post(f"{server.url}/v1/completions", headers=api.headers,
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=10)
+    assert reply.status_code == 503 and "no replica can serve" in reply.json()["error"]["message"]
+    assert not [r for r in restarted.requests if r.path == "/generate" and r.body.get("input_ids") == [PROMPT]]
+
+
+def test_a_restarted_gateway_adopts_the_version_its_engine_holds(chain, tmp_path, running, make_client):
+    fake = _fake(chain, running)
+    work = tmp_path / "work"
+    first, _ = _gateway(chain, work, fake, running)
+    client = make_client(first)
+    client.hot_load(chain.full)
+    client.hot_load(chain.d1, base_identity=chain.full)
+    folder, version = fake.model_path, fake.weight_version
+    first.shutdown()
+    running.remove(first)
+    updates = len([r for r in fake.requests if r.path == "/update_weights_from_disk"])
+
+    second, api = _gateway(chain, work, fake, running)
+    health = api.get("/health").json()
+    assert (health["snapshotIdentity"], health["boot"]) == (chain.d1, "resumed")
+    assert len([r for r in fake.requests if r.path == "/update_weights_from_disk"]) == updates  # nothing reloaded
+    assert (fake.model_path, fake.weight_version) == (folder, version)
+    assert (work / "models" / version).is_dir()
+    reply = api.complete(prompt=PROMPT, max_tokens=2)
+    assert (reply["snapshot_identity"], reply["weight_version"]) == (chain.d1, version)
+
+
+def test_a_damaged_rebuilt_folder_is_not_resumed(chain, tmp_path, running, make_client):
+    work = tmp_path / "work"
+    first = start_server(chain, work)
+    running.append(first)
+    make_client(first).hot_load(chain.full)
+    (folder,) = (work / "models").iterdir()
+    shard = next(folder.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # one byte of a tensor, same size: only the tensor checksums see it
+    first.shutdown()
+    running.remove(first)
+    shard.write_bytes(bytes(data))
+
+    second = start_server(chain, work)
+    running.append(second)
+    api = Api(second.url)
+    health = api.get("/health").json()
+    assert (health["snapshotIdentity"], health["boot"]) == (None, "clean")
+    assert api.greedy() == chain.greedy[0]  # the boot weights, stamped as such
+    assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] is None
+    assert not folder.exists()
+
+
+def test_two_servers_cannot_share_a_work_dir(chain, tmp_path, running):
+    import os
+
+    first = start_server(chain, tmp_path / "work")
+    running.append(first)
+    with pytest.raises(ServeStartError) as e:
+        start_server(chain, tmp_path / "work")
+    assert str(e.value) == (f"work_dir (--work-dir): work dir {tmp_path / 'work'} is in use by another posttrain "
+                            f"serve (pid {os.getpid()})")
+    assert Api(first.url).get("/health").status_code == 200
+
+
+def test_an_identity_too_long_for_a_folder_name_fails_its_hot_load_and_the_next_one_runs(chain, server,
+                                                                                          make_client):
+    api = Api(server.url)
+    op = _wait_op(api, _create(api, "x" * 255)["spec"]["id"])  # 255 characters: allowed, and not in the store
+    assert op["status"]["state"] == STATE_FAILED  # not RUNNING forever, blocking every later create
+    assert "x" * 255 in op["status"]["conditions"][0]["message"]
+    assert make_client(server).hot_load(chain.full).state == STATE_COMPLETED
