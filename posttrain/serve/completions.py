@@ -1,6 +1,6 @@
 """``POST /v1/completions`` with token ids in and out: the request's checks and the reply's shape.
 
-Only ``temperature`` and ``top_p`` are sampling controls here (hotload-api.md); any other one
+Only ``temperature`` and ``top_p`` are sampling controls here (docs/hotload-api.md); any other one
 is refused with a 400 that names it, rather than silently ignored, because a rollout sampled
 under a different distribution than the one the trainer assumes corrupts RL.
 """

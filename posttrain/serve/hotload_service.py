@@ -1,4 +1,4 @@
-"""The hot-load operations of the reference server (shared/spec/hotload-api.md), without HTTP.
+"""The hot-load operations of the reference server (docs/hotload-api.md), without HTTP.
 
 One hot-load at a time: a create while one is unfinished fails with FAILED_PRECONDITION. A
 load downloads what the identity needs, reconstructs it beside the served weights, loads it

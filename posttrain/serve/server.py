@@ -4,7 +4,7 @@ Routes (every one needs ``Authorization: Bearer <token>``):
 
 - ``POST /v1/completions``: token-id prompts, ``n`` choices sampled in one batch, per-token log-probs;
 - ``GET /v1/models``, ``GET /health``;
-- the hot-load API of shared/spec/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
+- the hot-load API of docs/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
 - with test hooks only: ``POST|DELETE /_test/faults`` and ``GET /_test/stats``.
 
 The standard library server (not an ASGI one) is used because a test fault must be able to
