@@ -1,7 +1,7 @@
 """Checkpoint chain codec: full snapshots and XOR+zstd delta snapshots.
 
 Plain Python with numpy, zstandard and xxhash; no Prefect and no torch import.
-The wire format is ``shared/spec/delta-format.md`` (CoreWeave and slime flavours).
+The wire format is ``docs/delta-format.md`` (CoreWeave and slime flavours).
 """
 
 from posttrain.chain.errors import (

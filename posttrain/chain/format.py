@@ -1,4 +1,4 @@
-"""Names, flavours, checksums and identities of the chain format (shared/spec/delta-format.md)."""
+"""Names, flavours, checksums and identities of the chain format (docs/delta-format.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The seam between the publisher and an inference engine: ``HotLoader`` and what it returns.
 
-A hot-loader makes a deployment serve a snapshot of the chain (shared/spec/delta-format.md)
+A hot-loader makes a deployment serve a snapshot of the chain (docs/delta-format.md)
 that the publisher has already written to the deployment's store. ``CoreWeaveHotLoader``
 (``posttrain.inference.hotload``) is the implementation for the CoreWeave ``v1alpha1``
 contract, which posttrain's reference server (``posttrain serve``) speaks too.

@@ -1,4 +1,4 @@
-"""Hot-load client for the CoreWeave ``v1alpha1`` contract (shared/spec/hotload-api.md).
+"""Hot-load client for the CoreWeave ``v1alpha1`` contract (docs/hotload-api.md).
 
 What it adds to the known client (Axolotl 0.21): retries with backoff on connection errors,
 timeouts, 429 and 5xx only; a deterministic ``hotLoadId``, so an operation whose create reply

@@ -1,4 +1,4 @@
-"""Names of the hot-load contract (shared/spec/hotload-api.md), shared by the client and the server."""
+"""Names of the hot-load contract (docs/hotload-api.md), shared by the client and the server."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
     name: grpo-nightly
     backend: slurm                    # or k8s / local; `posttrain train --backend` overrides it
-    cluster:                          # SlurmConfig / KubernetesConfig / LocalConfig, names as in the spec
+    cluster:                          # SlurmConfig / KubernetesConfig / LocalConfig, see docs/cluster-backends.md
       shared_dir: /mnt/shared
       image: docker://ghcr.io#org/posttrain:1.0
       gpus_per_node: 8
