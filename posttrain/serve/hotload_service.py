@@ -4,7 +4,7 @@ One hot-load at a time: a create while one is unfinished fails with FAILED_PRECO
 load downloads what the identity needs, reconstructs it beside the served weights, loads it
 and swaps the model; anything that goes wrong leaves the old weights serving and the
 operation FAILED with the reason in its conditions. The status also reports the seconds
-of each stage (``stageSeconds``: fetch, apply, load, swap), an addition of posttrain's own.
+of each stage (``stageSeconds``: fetch, apply, load; the swap is part of load), an addition of posttrain's own.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class Operation:
     conditions: list[dict] = field(default_factory=list)
     snapshot_chain: list[str] = field(default_factory=list)
     finished_at: float | None = None
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # fetch, apply, load, swap (posttrain's own)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # fetch, apply, load (the swap is part of load; posttrain's own)
 
     def to_json(self) -> dict:
         spec: dict = {"id": self.id, "deploymentId": self.deployment_id, "identity": self.identity,

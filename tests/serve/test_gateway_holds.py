@@ -14,7 +14,7 @@ import requests
 from posttrain.inference.protocol import API_PREFIX, STATE_COMPLETED, STATE_FAILED, TYPE_FULL
 from posttrain.serve.server import ServeStartError
 from posttrain.testing.fake_sglang import FakeSGLang
-from tests.support.serving import DEPLOYMENT, PROMPT, Api, start_server
+from tests.support.serving import DEPLOYMENT, FORBIDDEN, PROMPT, Api, start_server
 
 INTERVAL = 0.5  # the gateway's probe interval in these tests
 
@@ -202,3 +202,40 @@ def test_an_identity_too_long_for_a_folder_name_fails_its_hot_load_and_the_next_
     assert op["status"]["state"] == STATE_FAILED  # not RUNNING forever, blocking every later create
     assert "x" * 255 in op["status"]["conditions"][0]["message"]
     assert make_client(server).hot_load(chain.full).state == STATE_COMPLETED
+
+
+@pytest.mark.parametrize("extra,field", FORBIDDEN, ids=[f for _, f in FORBIDDEN])
+def test_the_sglang_gateway_refuses_what_the_reference_server_refuses(chain, tmp_path, running, extra, field):
+    fake = _fake(chain, running)
+    gateway, _ = _gateway(chain, tmp_path / "gw", fake, running)
+    reference = start_server(chain, tmp_path / "ref")
+    running.append(reference)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **extra}
+    answers = []
+    for server in (reference, gateway):
+        r = requests.post(f"{server.url}/v1/completions", headers=Api(server.url).headers, json=body, timeout=30)
+        answers.append((r.status_code, r.json()["error"]["param"]))
+    assert answers == [(400, field), (400, field)]
+    assert not [r for r in fake.requests if r.path == "/generate" and r.body.get("input_ids") == [PROMPT]]
+
+
+def test_the_sglang_gateway_bounds_what_it_builds_not_only_tokens_generated(chain, tmp_path, running):
+    fake = _fake(chain, running)
+    server, api = _gateway(chain, tmp_path / "gw", fake, running, max_request_tokens=4096)
+    generates = len([r for r in fake.requests if r.path == "/generate"])
+    for body, param, message in (
+        ({"prompt": [5] * 100, "n": 4000, "max_tokens": 1}, "n", "n must be an integer in [1, 64]"),
+        ({"prompt": [5] * 100, "n": 64, "max_tokens": 1}, "prompt", "6464 tokens is over this server's limit of 4096"),
+    ):
+        r = api.post("/v1/completions", json={"model": "tiny", **body})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+        assert message in r.json()["error"]["message"]
+    assert len([r for r in fake.requests if r.path == "/generate"]) == generates  # nothing was built or sent
+    assert api.complete(prompt=[5] * 100, n=32, max_tokens=2)["choices"]
+
+
+@pytest.mark.parametrize("controls", [{"temperature": 1e-300}, {"top_p": 1e-320}, {"temperature": 1e-300, "top_p": 1e-320}])
+def test_tiny_temperature_or_top_p_samples_the_most_likely_token(server, chain, controls):
+    reply = Api(server.url).complete(prompt=PROMPT, max_tokens=8, seed=1, **controls)
+    assert reply["choices"][0]["token_ids"] == chain.greedy[0]
+    assert all(lp == lp for lp in reply["choices"][0]["logprobs"]["token_logprobs"])  # no NaN

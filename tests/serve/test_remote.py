@@ -126,3 +126,53 @@ def test_the_gateway_bounds_the_tokens_one_request_asks_for(versions):
         assert engine.complete({"model": "m", "prompt": [[1, 2]] * 10, "n": 4, "max_tokens": 23})["choices"]
     finally:
         engine.close()
+
+
+def _tied(folder: Path) -> Path:
+    (folder / "config.json").write_text('{"tie_word_embeddings": true}')
+    return folder
+
+
+def test_a_tied_model_refused_at_a_url_leaves_the_replica_serving(versions):
+    server = Server(versions["boot"])
+    engine = RemoteEngine(kind="vllm", model_dir=versions["boot"], model_name="m",
+                          replicas=[Replica("r0", server)], restart_when_tied=True, monitor_interval_s=3600)
+    try:
+        with pytest.raises(EngineError, match="r0: cannot restart an engine someone else runs"):
+            engine.load(_tied(versions["v1"]), "v1")
+        assert server.calls == [] and server.folder == versions["boot"]  # never touched
+        assert engine.replica_errors() == {}
+        assert engine.complete({"model": "m", "prompt": [1, 2], "max_tokens": 1})["snapshot_identity"] is None
+        engine.load(versions["v2"], "v2")  # untied: reloaded in place as usual
+        assert server.folder == versions["v2"]
+    finally:
+        engine.close()
+
+
+def test_reload_restart_with_vllm_at_a_url_is_refused_at_start(versions):
+    from pydantic import ValidationError
+
+    from posttrain.serve.serve_config import ServeConfig
+
+    with pytest.raises(ValidationError, match="reload restart needs engines the gateway starts"):
+        ServeConfig(model_dir=versions["boot"], deployment_id="d", store="/tmp", token="t", engine="vllm",
+                    engine_urls=["http://127.0.0.1:1"], reload="restart")
+
+
+def test_a_replica_at_a_url_found_on_other_weights_is_put_back(versions):
+    server = Server(versions["boot"])
+    engine = _engine(versions, [server], supervised=False)
+    try:
+        engine.load(versions["v1"], "v1")
+        server.folder = versions["boot"]  # restarted by whoever runs it, on its launch weights
+        engine.verify()
+        assert server.folder == versions["v1"] and server.calls[-3:] == ["pause", "reload v1", "resume"]
+        assert engine.replica_errors() == {}
+        server.folder = versions["boot"]
+        server.reload = lambda folder: server.calls.append("ignored")  # and now it will not take it back
+        with pytest.raises(EngineError, match="r0: its answers to the probe prompt are 1 away from v1's"):
+            engine.verify()
+        with pytest.raises(Exception, match="no replica can serve"):
+            engine.complete({"model": "m", "prompt": [1, 2], "max_tokens": 1})
+    finally:
+        engine.close()

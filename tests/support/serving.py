@@ -179,3 +179,18 @@ class Api:
 @pytest.fixture
 def api(server) -> Api:
     return Api(server.url)
+
+
+# The data-plane contract (docs/hotload-api.md): what the reference server refuses, every gateway refuses,
+# before the engine sees it.
+FORBIDDEN = [
+    ({"prompt": "a text prompt"}, "prompt"),
+    ({"top_k": 5}, "top_k"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"echo": True}, "echo"),
+    ({"min_tokens": 2}, "min_tokens"),
+    ({"stop": ["x"]}, "stop"),
+    ({"no_such_field": 1}, "no_such_field"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+]

@@ -4,7 +4,7 @@ It speaks the endpoints the gateway needs: ``/health``, ``/v1/models``, ``/v1/co
 runtime LoRA adapters (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; the server
 must run with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), and the dev-mode
 weight reload (``/pause?mode=wait``, ``/collective_rpc`` with ``reload_weights``,
-``/resume``; the server must run with ``VLLM_SERVER_DEV_MODE=1``, on loopback only).
+``/reset_prefix_cache``, ``/resume``; the server must run with ``VLLM_SERVER_DEV_MODE=1``, on loopback only).
 
 Errors as every engine client's (``http_client``): ``EngineCallError(status, message)`` when vLLM
 answers with a non-200 status (vLLM's own error text), ``EngineUnavailable`` when it does not answer.
@@ -58,6 +58,12 @@ class VLLMClient(HTTPEngineClient):
         """
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
         self._json("POST", "/collective_rpc", json=payload)
+        # KV blocks cached under the old weights must not answer a prompt under the new ones (every
+        # cache policy: a mix of two versions corrupts RL). /pause clears them too, but that flag is
+        # deprecated; this says so explicitly, and is checked.
+        reset = self._json("POST", "/reset_prefix_cache")
+        if not (isinstance(reset, dict) and reset.get("success") is True):
+            raise EngineCallError(200, f"POST /reset_prefix_cache: the prefix cache was not reset ({reset!r})")
 
     def resume(self) -> None:
         """Take requests again (``POST /resume``)."""

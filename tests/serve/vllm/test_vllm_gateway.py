@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,9 +20,11 @@ from posttrain.chain.writer import ChainWriter
 from posttrain.inference.contract import HotLoadFailed
 from posttrain.serve.serve_config import ServeConfig
 from posttrain.serve.server import InferenceServer
-from posttrain.serve.vllm.process import VLLMProcessConfig
-from tests.support.serving import DEPLOYMENT, PREFIX, TOKEN, Api
+from posttrain.serve.vllm.process import VLLMProcess, VLLMProcessConfig
+from tests.support.serving import DEPLOYMENT, FORBIDDEN, PREFIX, TOKEN, Api
 from tests.support.vllm import (
+    MAX_TOKENS,
+    PROMPTS,
     assert_matches,
     perturbed,
     require_vllm,
@@ -155,3 +158,51 @@ def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gat
     target = 1 if index != 1 else 2  # a delta that applies to what it serves (or, after the full, its chain)
     loader.hot_load(untied["ids"][target], base_identity=untied["ids"][target - 1])
     assert_matches(served_greedy(api)[0], untied["refs"][target])
+
+
+@pytest.mark.parametrize("extra,field", FORBIDDEN, ids=[f for _, f in FORBIDDEN])
+def test_the_gateway_refuses_what_the_contract_forbids_before_vllm_sees_it(gateway, extra, field):
+    reply = Api(gateway.url).post("/v1/completions", json={"model": "tiny", "prompt": [10, 20, 30], "max_tokens": 2,
+                                                           **extra})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field  # the gateway's refusal (vLLM would take most of these)
+
+
+def test_a_vllm_at_a_url_restarted_on_its_launch_weights_is_never_stamped_and_is_put_back(untied, make_client,
+                                                                                        tmp_path):
+    """Someone else runs vLLM; it restarts on the folder it was launched with. Every answer the gateway
+    stamps comes from the stamped version, and the gateway reloads that version into it."""
+    engine = VLLMProcess(VLLMProcessConfig(served_model_name="tiny", log_file=tmp_path / "theirs.log"))
+    engine.start(untied["models"][0])
+    server = None
+    try:
+        server = _gateway(untied, tmp_path / "work", engine_urls=[engine.url], probe_interval_s=1.0)
+        api = Api(server.url)
+        loader = _loader(server, make_client)
+        loader.hot_load(untied["ids"][0])
+        loader.hot_load(untied["ids"][1], base_identity=untied["ids"][0])
+        assert_matches(served_greedy(api)[0], untied["refs"][1])
+
+        restarter = threading.Thread(target=engine.restart, args=(untied["models"][0],))
+        restarter.start()
+        answered, deadline = [], time.monotonic() + 300
+        while time.monotonic() < deadline:
+            replies = [api.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "logprobs": 1}) for p in PROMPTS]
+            assert all(r.status_code in (200, 503) for r in replies), [r.text for r in replies]
+            if all(r.status_code == 200 for r in replies):
+                got = [(r.json()["choices"][0]["token_ids"], r.json()["choices"][0]["logprobs"]["token_logprobs"])
+                       for r in replies]
+                assert {r.json()["snapshot_identity"] for r in replies} == {untied["ids"][1]}
+                assert_matches(got, untied["refs"][1])  # never the launch weights stamped as ids[1]
+                answered.append(not restarter.is_alive())
+                if answered[-1]:
+                    break
+            time.sleep(0.2)
+        restarter.join()
+        assert answered and answered[-1], "the gateway never served again after the engine restarted"
+        assert not server.engine.replica_errors()
+    finally:
+        if server is not None:
+            server.shutdown()
+        engine.stop()
