@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.tensors import load_bytes
 
 
@@ -61,6 +63,18 @@ def test_bad_identity_is_a_one_line_error(model_pair, tmp_path):
     assert proc.returncode == 2
     assert "identity '../x' is not one path segment" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("length", [250, 255])
+def test_an_identity_up_to_the_longest_allowed_encodes_and_applies(model_pair, tmp_path, length):
+    base, new = model_pair
+    chain, identity = tmp_path / "chain", "v" + "x" * (length - 1)  # 255: the longest check_identity accepts
+    posttrain("chain", "encode", str(base), "--out", str(chain), "--identity", identity)
+    posttrain("chain", "encode", str(new), "--out", str(chain), "--base", str(base), "--identity", "d1")
+    assert (chain / identity / "model.safetensors.index.json").is_file()
+    assert not [p for p in chain.iterdir() if p.name.startswith(".")]  # no staging folder left
+    posttrain("chain", "apply", str(chain), "--version", "d1", "--out", str(tmp_path / "out"))
+    assert load_bytes(tmp_path / "out") == load_bytes(new)
 
 
 def test_chain_commands_import_neither_torch_nor_prefect(model_pair, tmp_path):
