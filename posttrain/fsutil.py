@@ -4,6 +4,8 @@ and one way to move a folder built under a temporary name into place."""
 from __future__ import annotations
 
 import ctypes
+import glob
+import hashlib
 import os
 import secrets
 import shutil
@@ -12,6 +14,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+
+# Longest file name (bytes) most file systems take. Temporary names add a few characters to the
+# final name, so a name near this limit (a 255-character snapshot identity) is shortened in them.
+NAME_MAX = 255
+
+
+def fit_name(name: str, room: int) -> str:
+    """``name``, or when it takes more than ``room`` bytes its start and a digest of it that do:
+    distinct names stay distinct, and the same name always gives the same result."""
+    raw = os.fsencode(name)
+    if len(raw) <= room:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return os.fsdecode(raw[: room - len(digest) - 1]) + "~" + digest
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -34,7 +51,8 @@ def atomic_path(path: str | os.PathLike[str], *, durable: bool = True) -> Iterat
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+    suffix = f".tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    tmp = path.with_name(f".{fit_name(path.name, NAME_MAX - 1 - len(suffix))}{suffix}")
     try:
         yield tmp
         if durable:
@@ -78,10 +96,11 @@ def staging_dir(final: str | os.PathLike[str], *, clear_leftovers: bool = False)
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    stem = f".tmp-{fit_name(final.name, NAME_MAX - 14)}"  # and "-" and 8 hex digits: 14 more in all
     if clear_leftovers:
-        for leftover in final.parent.glob(f".tmp-{final.name}-*"):
+        for leftover in final.parent.glob(f"{glob.escape(stem)}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
+    tmp = final.parent / f"{stem}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         yield tmp

@@ -6,7 +6,7 @@ What is scrubbed (replaced by ``***``):
 - every value handed to ``remember`` (S3 credentials from a store's config or resolved from its
   profile, a job's ``secrets:`` values read at submit time), also in its URL-encoded form;
 - the S3 credentials of this process's environment (``S3_ENV``), read at each call;
-- the userinfo of every URL (``http://user:pw@host`` -> ``http://***@host``).
+- the userinfo of every URL (``http://user:pw@host`` -> ``http://***@host``; see ``URL_USERINFO``).
 
 ``scrub_exception`` rewrites, in place, the messages of an exception and of the exceptions it was
 raised from, so a traceback printed or logged later shows no secret either (the chain itself is
@@ -28,7 +28,11 @@ S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AW
 # Shorter values would mask ordinary words in messages and paths ("test" in "pytest"). Real
 # credentials are longer (AWS key ids 20 characters, secret keys 40); a shorter one is not scrubbed.
 MIN_LENGTH = 8
-URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/?#\s@'\"]+@")
+# A URL's userinfo: everything from "scheme://" to the last "@" before the host. A password may hold
+# "/", "#", "?" or "@" unencoded (postgresql://app:pa/ss@db/x, https://u:p@ss@host): once a ":" follows
+# the user, the userinfo runs to the URL's last "@" (an "@" in a path after a port is masked with it:
+# more than needed, never less); a user alone ends at the first "/", "?" or "#".
+URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)(?:[^/?#\s@'\"]*:[^\s'\"]*|[^/?#\s'\"]+)@")
 
 _known: set[str] = set()
 _lock = threading.Lock()

@@ -114,3 +114,27 @@ def test_staging_dir_clears_leftovers_of_killed_attempts_only_when_asked(tmp_pat
         pass
     assert not leftover.exists()
     assert other.exists()  # another target's staging folder
+
+
+
+def test_names_up_to_the_longest_a_file_system_takes_get_temporary_names_too(tmp_path: Path) -> None:
+    a, b = "a" * 255, "a" * 254 + "b"  # the longest names; the temporary ones add characters
+    atomic_write(tmp_path / a, "file")
+    with staging_dir(tmp_path / b) as tmp:
+        (tmp / "x").write_text("folder")
+        publish_dir(tmp, tmp_path / b)
+    assert (tmp_path / a).read_text() == "file" and (tmp_path / b / "x").read_text() == "folder"
+    assert sorted(os.listdir(tmp_path)) == [a, b]
+
+
+def test_long_names_clear_only_their_own_leftovers(tmp_path: Path) -> None:
+    a, b = "a" * 255, "a" * 254 + "b"  # shortened alike in temporary names, but for a digest of the whole
+    with staging_dir(tmp_path / b) as tmp:
+        leftover = tmp.with_name(tmp.name[:-8] + "deadbeef")  # as a killed attempt at b leaves it
+    leftover.mkdir()
+    with staging_dir(tmp_path / a, clear_leftovers=True):
+        pass
+    assert leftover.exists()
+    with staging_dir(tmp_path / b, clear_leftovers=True):
+        pass
+    assert not leftover.exists()

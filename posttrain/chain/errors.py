@@ -11,6 +11,14 @@ class FormatError(ChainError):
     """A safetensors file, an index or a snapshot does not follow the format."""
 
 
+class MissingBase(FormatError):
+    """A delta's base is not in the chain folder: ``snapshot`` names the delta, ``base`` its base."""
+
+    def __init__(self, message: str, snapshot: str, base: str) -> None:
+        super().__init__(message)
+        self.snapshot, self.base = snapshot, base
+
+
 class LayoutMismatch(ChainError):
     """A delta was asked for across a change of tensor names, shapes or dtypes."""
 

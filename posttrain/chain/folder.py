@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.chain.checkpoint import INDEX_NAME, Checkpoint
-from posttrain.chain.errors import FormatError, WrongBase
+from posttrain.chain.errors import FormatError, MissingBase, WrongBase
 from posttrain.chain.format import SLIME_DIR_RE, Flavor, parse_slime_version, slime_dir
 from posttrain.chain.snapshot import DeltaSnapshot, is_delta_index, open_delta, read_index
 
@@ -87,14 +87,15 @@ class ChainFolder:
             name = ref.base_version
         base = self.refs().get(name)
         if base is None:
-            raise FormatError(f"{ref.path}: its base {ref.base_version!r} is not in {self.path}")
+            raise MissingBase(f"{ref.path}: its base {ref.base_version!r} is not in {self.path}", ref.name,
+                              ref.base_version)
         return base
 
     def resolve(self, target: str, *, held: str | None = None) -> tuple[SnapshotRef | None, list[SnapshotRef]]:
         """The full snapshot (None: boot weights or ``held``) and the deltas that lead to ``target``.
 
         With ``held``, the walk stops at that version when it is on the path, so a consumer holding
-        it applies only the deltas after it.
+        it applies only the deltas after it; the chain then need not hold that version's own snapshot.
         """
         ref = self.find(target)
         deltas: list[SnapshotRef] = []
@@ -106,7 +107,12 @@ class ChainFolder:
                 raise FormatError(f"{self.path}: base links loop at {ref.name}")
             seen.add(ref.name)
             deltas.append(ref)
-            base = self._base_of(ref)
+            try:
+                base = self._base_of(ref)
+            except MissingBase:
+                if held is not None and ref.base_version == held:  # the held folder is that base
+                    return None, list(reversed(deltas))
+                raise
             if base is None:
                 if held is not None and parse_slime_version(held) == 0:
                     return None, list(reversed(deltas))

@@ -22,7 +22,7 @@ from posttrain.chain.encode import (
     write_full,
     write_index,
 )
-from posttrain.chain.errors import ChainError, FormatError, OutputExists, WrongBase
+from posttrain.chain.errors import ChainError, FormatError, MissingBase, OutputExists, WrongBase
 from posttrain.chain.folder import ChainFolder, SnapshotRef
 from posttrain.chain.format import (
     Flavor,
@@ -223,7 +223,7 @@ def reconstruct(
 
     ``held_dir`` is a checkpoint that already holds a version on the path (its index records
     it): only the deltas after it are applied, and a delta whose base is not that version is
-    refused.
+    refused. The chain folder then needs only those deltas, not the held version's snapshot.
     """
     t0 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else None
@@ -235,7 +235,14 @@ def reconstruct(
     held = held_version(held_ckpt) if held_ckpt is not None else None
     if held_ckpt is not None and held is None:
         raise WrongBase(f"{held_dir} records no version it holds (metadata.version in its index)")
-    full, delta_refs = chain.resolve(target.name, held=held)
+    try:
+        full, delta_refs = chain.resolve(target.name, held=held)
+    except MissingBase as e:
+        if held is None:
+            raise
+        raise WrongBase(f"{e.snapshot} builds on {e.base}, which neither {chain.path} holds nor {held_dir} (it "
+                        f"holds {held}): the chain lacks a delta between {held} and {target.name}, or {held_dir} "
+                        f"holds a version not on its path") from None
     if full is not None:
         start_ckpt, start = Checkpoint.open(full.path), full.name
         if held is not None:

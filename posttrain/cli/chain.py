@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     app.add_argument("chain", help="chain folder, or a store: s3://bucket/prefix (credentials from the environment)")
     app.add_argument("--version", required=True, help="identity (or slime version) to reconstruct")
     app.add_argument("--out", type=Path, required=True, help="output checkpoint folder (must not exist)")
-    app.add_argument("--from", dest="held", type=Path, help="checkpoint already holding a version on the path")
+    app.add_argument("--from", dest="held", type=Path, help="checkpoint already holding a version on the path "
+                     "(a folder chain apply wrote): only the deltas after it are applied, so CHAIN needs only those")
     app.add_argument("--boot", type=Path, help="slime: the engine's boot weights (version 0)")
     app.add_argument("--workers", type=int)
     app.add_argument("--cache", type=Path, help="with a store: where downloaded snapshots are kept "
@@ -135,10 +136,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from posttrain.chain.ops import reconstruct
 
     chain, fetched = Path(args.chain), []
+    held = _held_version(args.held)
     if "://" in args.chain:
-        chain, fetched = _fetch_from_store(args)
+        chain, fetched = _fetch_from_store(args, held)
     try:
-        total = _version_bytes(chain, args.version, args.held, args.boot)
+        total = _version_bytes(chain, args.version, held, args.held, args.boot)
         with progress_bar("applying", total) as advance:
             r = reconstruct(chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
                             workers=args.workers, progress=advance)
@@ -153,8 +155,16 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_from_store(args: argparse.Namespace) -> tuple[Path, list[str]]:
-    """Download the snapshots the version needs into a local cache folder; that folder and them."""
+def _held_version(held_dir: Path | None) -> str | None:
+    """The version a --from folder holds (None without one, or when it records none: reconstruct says so)."""
+    from posttrain.chain.checkpoint import Checkpoint
+    from posttrain.chain.snapshot import held_version
+
+    return held_version(Checkpoint.open(held_dir)) if held_dir is not None else None
+
+
+def _fetch_from_store(args: argparse.Namespace, held: str | None) -> tuple[Path, list[str]]:
+    """Download the snapshots the version needs (after ``held``) into a local cache folder; that folder and them."""
     import hashlib
 
     from posttrain.chain.fetch import SnapshotError, SnapshotSource
@@ -166,7 +176,7 @@ def _fetch_from_store(args: argparse.Namespace) -> tuple[Path, list[str]]:
     with open_store(args.chain, **options) as store:
         source = SnapshotSource(store, "", cache)
         try:
-            names = source.plan(args.version, held=None).snapshots
+            names = source.plan(args.version, held=held).snapshots
             for name in names:
                 source.fetch(name)
         except SnapshotError as e:  # a version not in the store: one line naming it and the store
@@ -174,12 +184,18 @@ def _fetch_from_store(args: argparse.Namespace) -> tuple[Path, list[str]]:
     return cache, names
 
 
-def _version_bytes(chain: Path, version: str, held: Path | None, boot: Path | None) -> int:
+def _version_bytes(chain: Path, version: str, held: str | None, held_dir: Path | None, boot: Path | None) -> int:
+    """The progress bar's total: the bytes of the version the deltas start from."""
     from posttrain.chain.checkpoint import Checkpoint
+    from posttrain.chain.errors import MissingBase
     from posttrain.chain.folder import ChainFolder
 
-    full, _ = ChainFolder(chain).resolve(ChainFolder(chain).find(version).name)
-    start = full.path if full is not None else (held or boot)
+    folder = ChainFolder(chain)
+    try:
+        full, _ = folder.resolve(folder.find(version).name, held=held)
+    except MissingBase:
+        return 0  # reconstruct refuses it, naming the delta and the held version
+    start = full.path if full is not None else (held_dir or boot)
     return Checkpoint.open(start).total_bytes if start is not None else 0
 
 

@@ -25,26 +25,35 @@ TOPOLOGY_FLAGS = frozenset(
 
 # Words that mark a variable as a credential when a segment of its name (split at "_") is made of
 # them: DB_PASS, GITHUB_PAT, GH_AUTH, SSH_PRIVATEKEY, API_CREDENTIAL, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
-# WANDB_API_KEY; not PATH, KEYBOARD_LAYOUT, TOKENIZERS_PARALLELISM or GIT_AUTHOR_NAME (PAT, KEY,
+# WANDB_API_KEY, MYSQL_PWD; not PATH, KEYBOARD_LAYOUT, TOKENIZERS_PARALLELISM or GIT_AUTHOR_NAME (PAT, KEY,
 # TOKEN and AUTH there are only the start of a longer word).
 SECRET_WORDS = frozenset(
-    {"PASS", "PASSWORD", "PASSWD", "PASSPHRASE", "PAT", "AUTH", "PRIVATE", "CREDENTIAL", "CREDENTIALS",
+    {"PASS", "PASSWORD", "PASSWD", "PWD", "PASSPHRASE", "PAT", "AUTH", "PRIVATE", "CREDENTIAL", "CREDENTIALS",
      "TOKEN", "TOKENS", "SECRET", "SECRETS", "KEY", "KEYS"}
 )  # fmt: skip
 # Words that may stand before a secret word inside one segment (APIKEY, ACCESSKEY, DBPASS, ...).
 SECRET_PREFIX_WORDS = frozenset({"API", "ACCESS", "AUTH", "PRIVATE", "SSH", "DB", "CLIENT", "SESSION", "BEARER",
                                  "OAUTH", "SIGNING", "ENCRYPTION", "MASTER", "ROOT", "ADMIN", "USER", "APP"})
 _SEGMENT = re.compile(
-    "^(?:{0})*(?:{1})(?:{0}|{1})*$".format(
+    "(?:{0})*(?:{1})(?:{0}|{1})*".format(
         "|".join(sorted(SECRET_PREFIX_WORDS, key=len, reverse=True)),
         "|".join(sorted(SECRET_WORDS, key=len, reverse=True)),
     )
 )
+# Endings that mark a segment as a credential whatever word is glued before them (PGPASSWORD,
+# GITHUBTOKEN, STRIPEAPIKEY). Not the short words: MONKEY, COMPASS, COMPAT and OLDPWD end in them.
+SECRET_ENDINGS = ("PASSWORD", "PASSWORDS", "PASSWD", "PASSPHRASE", "TOKEN", "SECRET", "SECRETS", "CREDENTIAL",
+                  "CREDENTIALS", "APIKEY", "ACCESSKEY", "SECRETKEY", "PRIVATEKEY")
+# Names the rules above would take for credentials: the shell's working folder.
+NOT_SECRET = frozenset({"PWD"})
 
 
 def secret_name(name: str) -> bool:
-    """Whether ``name`` reads as a credential's name (see ``SECRET_WORDS``)."""
-    return any(_SEGMENT.match(part) for part in name.upper().split("_") if part)
+    """Whether ``name`` reads as a credential's name (see ``SECRET_WORDS`` and ``SECRET_ENDINGS``)."""
+    upper = name.upper()
+    if upper in NOT_SECRET:
+        return False
+    return any(_SEGMENT.fullmatch(part) or part.endswith(SECRET_ENDINGS) for part in upper.split("_") if part)
 
 
 def dns_label(value: str, max_len: int = 63) -> str:

@@ -20,14 +20,29 @@ from posttrain.trainer.config import LoraSettings, TrainerConfig
 
 # At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels. (No
 # bracket starts with a letter: Prefect's CLI prints the pattern through rich, which eats "[a-z...]".)
-RUN_NAME_RE = re.compile(r"^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$")
-BLOCK_REF = r"^[0-9a-z][-0-9a-z]*/[0-9A-Za-z][-0-9A-Za-z_.]*$"  # <block-type-slug>/<name>
+# "(?!\n)": Prefect checks a parameter against its schema's pattern with Python's re.search, where "$"
+# also matches before a final newline; the lookahead refuses it (and JavaScript, the UI form's, compiles it).
+RUN_NAME_RE = re.compile(r"^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$(?!\n)")
+# <block-type-slug>/<name>, a pydantic pattern: its (Rust) regex has no lookahead and needs none ("$" is the
+# end of the text there); the schema gets the lookahead from ``whole_value``.
+BLOCK_REF = r"^[0-9a-z][-0-9a-z]*/[0-9A-Za-z][-0-9A-Za-z_.]*$"
 ABSOLUTE = {"pattern": "^/"}  # in the schema, so a deployment refuses a relative path when the run is created
 
 #: Parameters that name a block. The CLI gives ``<slug>/<name>``; the UI's run form also offers a
 #: picker of the saved blocks of these types (Prefect passes a reference to the one picked).
 BLOCK_PARAMETERS = {"cluster": (LocalCluster, SlurmCluster, KubernetesCluster), "store": (ObjectStore,),
                     "inference": (InferenceDeployment,)}
+
+
+def whole_value(schema: dict) -> None:
+    """A field's JSON schema hook: every pattern that ends in "$" also refuses a final newline, as
+    Prefect checks it (Python's re.search, whose "$" matches before one)."""
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str) and value.endswith("$"):
+            schema[key] = value + r"(?!\n)"
+        for inner in value if isinstance(value, list) else [value]:
+            if isinstance(inner, dict):
+                whole_value(inner)
 
 
 def block_ref(value):
@@ -144,12 +159,12 @@ class RunSettings(BaseModel):
                          json_schema_extra=ABSOLUTE)
     shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.",
                             json_schema_extra=ABSOLUTE)
-    cluster: str = Field("posttrain-local-cluster/default", pattern=BLOCK_REF,
+    cluster: str = Field("posttrain-local-cluster/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
                          description="Cluster block: <block-type-slug>/<name>.")
-    store: str = Field("posttrain-object-store/default", pattern=BLOCK_REF,
+    store: str = Field("posttrain-object-store/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
                        description="Object store block: <slug>/<name>.")
     inference: str | None = Field(
-        "posttrain-inference-deployment/default", pattern=BLOCK_REF,
+        "posttrain-inference-deployment/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
         description="Inference deployment block, or null for none.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")

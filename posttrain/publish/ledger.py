@@ -35,7 +35,7 @@ class LedgerError(ChainError):
 
 def check_run_name(run: str) -> str:
     """A run name is one path segment: 1-128 of letters, digits, ``_``, ``.``, ``-``, starting alphanumeric."""
-    if not isinstance(run, str) or not RUN_NAME_RE.match(run):
+    if not isinstance(run, str) or not RUN_NAME_RE.fullmatch(run):  # match's "$" lets a final newline through
         raise LedgerError(f"run name {run!r} must be 1-128 letters, digits, '_', '.' or '-', starting with a "
                           "letter or digit (one path segment)")
     return run

@@ -16,8 +16,9 @@ from typing import Literal
 ScaleRewards = Literal["group", "batch", "none"]
 
 
-#: A reward function's import path, ``module:function``.
-REWARD_FUNC_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+#: A reward function's import path, ``module:function``. "(?!\n)": a schema's pattern is checked with
+#: Python's re.search (Prefect's jsonschema), where "$" alone also matches before a final newline.
+REWARD_FUNC_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$(?!\n)"
 #: Schema of a list of reward functions: a deployment refuses a malformed path when the run is created.
 REWARD_FUNCS_SCHEMA = {"items": {"type": "string", "pattern": REWARD_FUNC_PATTERN}}
 

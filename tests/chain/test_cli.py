@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.support.tensors import load_bytes
 
@@ -63,6 +66,18 @@ def test_bad_identity_is_a_one_line_error(model_pair, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("length", [250, 255])
+def test_an_identity_up_to_the_longest_allowed_encodes_and_applies(model_pair, tmp_path, length):
+    base, new = model_pair
+    chain, identity = tmp_path / "chain", "v" + "x" * (length - 1)  # 255: the longest check_identity accepts
+    posttrain("chain", "encode", str(base), "--out", str(chain), "--identity", identity)
+    posttrain("chain", "encode", str(new), "--out", str(chain), "--base", str(base), "--identity", "d1")
+    assert (chain / identity / "model.safetensors.index.json").is_file()
+    assert not [p for p in chain.iterdir() if p.name.startswith(".")]  # no staging folder left
+    posttrain("chain", "apply", str(chain), "--version", "d1", "--out", str(tmp_path / "out"))
+    assert load_bytes(tmp_path / "out") == load_bytes(new)
+
+
 def test_chain_commands_import_neither_torch_nor_prefect(model_pair, tmp_path):
     base, _ = model_pair
     code = (
@@ -111,3 +126,56 @@ def test_encode_shows_a_byte_progress_bar_on_a_terminal_only(model_pair, tmp_pat
 
     piped = posttrain("chain", "encode", str(base), "--out", str(tmp_path / "piped"))
     assert piped.stderr == ""
+
+
+
+@pytest.fixture
+def held_and_later(model_pair, tmp_path):
+    """A chain full -> d1 -> d2 -> d3, HELD rebuilt at d1, and the identities of full, d1, d2 and d3."""
+    from posttrain.chain.ops import encode_snapshot, reconstruct
+
+    base, new = model_pair
+    chain = tmp_path / "chain"
+    ids = [encode_snapshot(base, chain, step=7).identity]
+    ids += [encode_snapshot(b, chain, base_dir=a, step=s).identity
+            for s, (a, b) in enumerate([(base, new), (new, base), (base, new)], start=8)]
+    reconstruct(chain, ids[1], tmp_path / "held")
+    return chain, tmp_path / "held", ids
+
+
+def _only(chain, names, dest):
+    """A chain folder holding only the snapshots ``names`` of ``chain``."""
+    for name in names:
+        shutil.copytree(chain / name, dest / name)
+    return dest
+
+
+def test_apply_from_held_needs_only_the_deltas_after_it(model_pair, held_and_later, tmp_path):
+    _, new = model_pair
+    chain, held, (_, d1, d2, d3) = held_and_later
+    later = _only(chain, [d2, d3], tmp_path / "later")  # neither the full snapshot nor d1, HELD's own
+    proc = posttrain("chain", "apply", str(later), "--version", d3, "--from", str(held), "--out", str(tmp_path / "o"))
+    assert f"version {d3}: {d1} (held by {held}) + 2 deltas" in proc.stdout
+    assert load_bytes(tmp_path / "o") == load_bytes(new)
+    # the same from a store holding only those deltas: only they are downloaded
+    proc = posttrain("chain", "apply", later.as_uri(), "--version", d3, "--from", str(held),
+                     "--out", str(tmp_path / "o2"), "--cache", str(tmp_path / "cache"))
+    assert "+ 2 deltas" in proc.stdout and load_bytes(tmp_path / "o2") == load_bytes(new)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([d2, d3])
+
+
+@pytest.mark.parametrize("case", ["a delta missing", "held off the path"])
+def test_apply_from_held_that_the_chain_cannot_reach_is_one_line(held_and_later, tmp_path, case):
+    chain, held, (full, d1, d2, d3) = held_and_later
+    if case == "a delta missing":
+        later, first, base, holds = _only(chain, [d3], tmp_path / "later"), d3, d2, d1
+    else:  # HELD holds the full snapshot; the chain's first delta builds on d1
+        held = tmp_path / "held-full"
+        posttrain("chain", "apply", str(chain), "--version", full, "--out", str(held))
+        later, first, base, holds = _only(chain, [d2, d3], tmp_path / "later"), d2, d1, full
+    proc = posttrain("chain", "apply", str(later), "--version", d3, "--from", str(held), "--out", str(tmp_path / "o"),
+                     check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"posttrain: error: {first} builds on {base}, which neither {later} holds nor "
+                                  f"{held} (it holds {holds}): the chain lacks a delta between {holds} and {d3}, or ")
+    assert not (tmp_path / "o").exists()

@@ -104,6 +104,8 @@ def test_a_second_publisher_on_the_work_dir_fails_fast(runs, tmp_path):
     ("run with a slash", "--run: run name 'a/ledger' must be 1-128 letters, digits, '_', '.' or '-', starting "
                          "with a letter or digit (one path segment)"),
     ("too many deltas", "--max-deltas: Input should be less than or equal to 128"),
+    ("run with a final newline", "--run: run name 'rn\\n' must be 1-128 letters, digits, '_', '.' or '-', "
+                                 "starting with a letter or digit (one path segment)"),
 ])
 def test_bad_input_is_one_line(runs, tmp_path, case, expected):
     main, _ = runs
@@ -120,11 +122,14 @@ def test_bad_input_is_one_line(runs, tmp_path, case, expected):
         args["--run"] = ""
     elif case == "run with a slash":
         args["--run"] = "a/ledger"
+    elif case == "run with a final newline":
+        args["--run"] = "rn\n"
     else:
         extra = ["--max-deltas", "100000"]
     ckpt = args.pop("ckpt")
     proc = posttrain("publish", ckpt, *[x for kv in args.items() for x in kv], *extra)
     assert one_error(proc) == expected.format(tmp=tmp_path)
+    assert not (tmp_path / "store" / ".posttrain").exists()  # refused before anything was written
 
 
 def test_a_full_disk_is_one_line_naming_the_file(runs, tmp_path):

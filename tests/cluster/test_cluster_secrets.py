@@ -42,9 +42,14 @@ def planted(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 # ---------------------------------------------------------------- plain env refuses credentials
 
 REFUSED = ["DB_PASS", "GITHUB_PAT", "GH_AUTH", "SSH_PRIVATEKEY", "API_CREDENTIAL", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY",
-           "WANDB_API_KEY", "db_password", "MY_APIKEY", "OAUTH_TOKENS"]  # fmt: skip
+           "WANDB_API_KEY", "db_password", "MY_APIKEY", "OAUTH_TOKENS",
+           # a secret word glued to another word, or one of the short forms
+           "PGPASSWORD", "MYSQL_PWD", "GITHUBTOKEN", "REDISPASSWD", "VAULT_ROOTPWD", "APPSECRET", "STRIPEAPIKEY",
+           "GCP_CREDENTIALS", "pgpassword"]  # fmt: skip
 ALLOWED = ["PATH_PREFIX", "KEYBOARD_LAYOUT", "TOKENIZERS_PARALLELISM", "GIT_AUTHOR_NAME", "NCCL_DEBUG", "PATCH_LEVEL",
-           "PASSTHROUGH_MODE", "MONKEY_PATCH", "HF_HOME", "COMPASS_DIR"]  # fmt: skip
+           "PASSTHROUGH_MODE", "MONKEY_PATCH", "HF_HOME", "COMPASS_DIR",
+           "PATH", "PYTHONPATH", "HF_HUB_OFFLINE", "PWD", "OLDPWD", "PYTHON_COMPAT", "HOTKEY_MAP", "BYPASS_CACHE",
+           "TOKENIZER_NAME"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", REFUSED)
@@ -119,11 +124,18 @@ def test_dry_run_shows_the_names_never_the_values(tmp_path, capsys, no_contact, 
 
 
 @pytest.mark.parametrize("backend", sorted(BASE))
-def test_a_credential_in_env_is_refused_without_echoing_it(tmp_path, capsys, no_contact, backend: str) -> None:
-    path = _submit_file(tmp_path, backend, env={"DATABASE_URL": f"postgres://u:{PLANTED['DB_PASS']}@db/x"})
+@pytest.mark.parametrize(("name", "value"), [
+    ("DATABASE_URL", f"postgres://u:{PLANTED['DB_PASS']}@db/x"),
+    ("DATABASE_URL", f"postgresql://app:{PLANTED['DB_PASS']}/x@db/x"),  # a "/" in the password
+    ("SERVICE_URL", f"https://u:{PLANTED['DB_PASS']}#x@host/x"),  # a "#"
+    ("PGPASSWORD", PLANTED["DB_PASS"]), ("MYSQL_PWD", PLANTED["DB_PASS"]), ("GITHUBTOKEN", PLANTED["GITHUB_PAT"]),
+])  # fmt: skip
+def test_a_credential_in_env_is_refused_without_echoing_it(tmp_path, capsys, no_contact, backend: str, name: str,
+                                                           value: str) -> None:
+    path = _submit_file(tmp_path, backend, env={name: value})
     assert main(["submit", path, "--dry-run"]) == 2
     out, err = capsys.readouterr()
-    assert "cluster.env" in err and "DATABASE_URL" in err and "secrets" in err
+    assert "cluster.env" in err and name in err and "secrets" in err
     assert_clean(out + err)
 
 

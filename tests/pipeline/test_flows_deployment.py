@@ -125,13 +125,14 @@ def test_nightly_schedule_is_registered(deployed):
     [
         ({"unknown_field": 1},
          "The following parameters were specified but not found on the deployment: 'unknown_field'"),
-        ({"run_name": "Nightly_Run"}, "'Nightly_Run' does not match '^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$'"),
+        ({"run_name": "Nightly_Run"}, "'Nightly_Run' does not match '^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$"),
+        ({"run_name": "nightly\n"}, "does not match '^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$"),
         ({"max_steps": "many"}, "'many' is not of type 'integer'"),
         ({"max_steps": -5}, "-5 is less than the minimum of 1"),
         ({"dataset": "data/prompts.jsonl"}, "'data/prompts.jsonl' does not match '^/'"),
         ({"reward_funcs": ["correctness"]}, "'correctness' does not match"),
     ],
-    ids=["unknown-field", "run-name-uppercase", "trainer-type", "bounds", "relative-path", "reward-function"],
+    ids=["unknown-field", "run-name-uppercase", "run-name-final-newline", "trainer-type", "bounds", "relative-path", "reward-function"],
 )
 def test_enforced_schema_refuses_bad_parameters(deployed, tiny_setup, bad, message):
     """The server checks parameters against the flow's schema when the run is created: the CLI

@@ -4,6 +4,10 @@ name the parameter."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+
 import jsonschema
 import pytest
 
@@ -62,6 +66,12 @@ def test_bad_parameters_are_named_without_their_group(bad, names):
     ({"run_name": "x" * 37}, "pattern"),
     ({"store": "nope"}, "pattern"),
     ({"lr": 1e-5}, "additionalProperties"),
+    # a final newline: Prefect's jsonschema checks patterns with re.search, where "$" matches before one
+    ({"run_name": "nightly\n"}, "pattern"),
+    ({"cluster": "posttrain-local-cluster/default\n"}, "pattern"),
+    ({"store": "posttrain-object-store/default\n"}, "pattern"),
+    ({"inference": "posttrain-inference-deployment/default\n"}, "pattern"),
+    ({"reward_funcs": ["posttrain.rewards:format_reward\n"]}, "pattern"),
 ])
 def test_the_schema_refuses_what_the_settings_refuse(bad, where):
     """What a deployment with enforce_parameter_schema checks when the run is created (Prefect
@@ -86,6 +96,27 @@ def test_the_run_name_pattern_survives_rich_markup():
 
     for pattern in (RUN_NAME_RE.pattern, BLOCK_REF):
         assert Text.from_markup(pattern).plain == pattern
+
+
+def _patterns(node) -> list[str]:
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == "pattern" and isinstance(v, str)] + _patterns(list(node.values()))
+    return [p for v in node for p in _patterns(v)] if isinstance(node, list) else []
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node: the UI's form checks patterns in JavaScript")
+def test_the_schema_patterns_refuse_a_final_newline_and_compile_in_javascript():
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+
+    patterns = sorted({p for flow in (nightly_post_training, grpo) for p in _patterns(schema(flow))})
+    assert any("(?!\\n)" in p for p in patterns)  # the capture worked: the patterns with the lookahead are here
+    script = ("const ps = JSON.parse(require('fs').readFileSync(0, 'utf8')); let n = 0;"
+              "for (const p of ps) for (const flags of ['', 'u']) { new RegExp(p, flags); n++; }"
+              "console.log(n);")  # new RegExp throws on a pattern JavaScript cannot compile
+    out = subprocess.run(["node", "-e", script], input=json.dumps(patterns), capture_output=True, text=True,
+                         timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, str(2 * len(patterns))), out.stderr
 
 
 def test_grpo_step_samples_at_the_rollouts_temperature():

@@ -117,6 +117,19 @@ def test_serve_start_errors_are_one_line_naming_the_setting(capsys, monkeypatch,
         assert "not a loopback address" in err and "--allow-remote" in err
 
 
+def test_a_missing_vllm_python_is_one_line_naming_engine_python(capsys, monkeypatch, chain, tmp_path):
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--engine", "vllm", "--engine-python", str(missing))
+    assert "--engine-python" in err and str(missing) in err
+
+
+def test_a_vllm_url_that_does_not_answer_is_one_line_naming_engine_url(capsys, monkeypatch, chain, tmp_path):
+    port = _free_port()  # nothing listens there
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--engine", "vllm",
+                       "--engine-url", f"http://127.0.0.1:{port}")
+    assert "engine_urls[0]" in err and "--engine-url" in err and f"127.0.0.1:{port}" in err
+
+
 def test_loopback_hosts_need_no_flag():
     from pydantic import SecretStr
 
