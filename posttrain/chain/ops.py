@@ -32,6 +32,7 @@ from posttrain.chain.format import (
     slime_dir,
 )
 from posttrain.chain.manifest import write_manifest
+from posttrain.chain.probe import copy_probe, copy_target_probe
 from posttrain.chain.snapshot import held_version, open_delta, read_index
 from posttrain.fsutil import publish_dir, staging_dir
 
@@ -153,6 +154,7 @@ def encode_snapshot(
         else:
             enc = write_delta(new, base, tmp, flavor=flavor, max_shard_bytes=max_shard_bytes, workers=workers,
                               progress=progress, expected_base=expected_base, durable=durable)
+        enc.extra_files.update(copy_probe(new.path, tmp))  # full and delta snapshots carry the probe
         if not name:
             name = version_label = make_identity(run=run, step=step, kind=kind, base_identity=base_label,
                                                  content=enc.content)
@@ -265,6 +267,7 @@ def reconstruct(
         with staging_dir(out) as tmp:
             applied = apply_chain(start_ckpt, deltas, tmp, workers=workers, progress=progress, durable=durable)
             write_checkpoint_index(tmp, start_ckpt, target.version, config)
+            copy_target_probe(target.path, tmp)
             write_manifest(tmp, applied.version_digests)
             commit_dir(tmp, out)
     return Reconstructed(target.version, out, start, [d.version for d in deltas], applied.bytes,

@@ -16,6 +16,7 @@ from posttrain.serve.adapters import refuse_adapters
 from posttrain.serve.completions import build_response, parse_request
 from posttrain.serve.engine import Served
 from posttrain.serve.model_slot import ModelSlot, ServedModel, load_served, resolve_device
+from posttrain.serve.probe import judge, read_probe, score_with_model
 from posttrain.serve.sampler import sample
 from posttrain.serve.serve_config import ServeConfig
 
@@ -42,10 +43,12 @@ class ReferenceEngine:
         return Served(served.identity, served.path)
 
     def load(self, folder: Path, identity: str) -> Served:
-        """Load ``folder`` like the served model (same tensor names, shapes, dtypes) and swap it in."""
+        """Load ``folder`` like the served model (same tensor names, shapes, dtypes), check it against
+        the folder's probe, and swap it in; on failure the previous version keeps serving."""
         if is_packed_adapter(folder):
             raise refuse_adapters("reference", folder)
         new = load_served(folder, self.device, like=self.slot.current(), identity=identity)
+        self._check_probe(new, self.slot.current())
         self.slot.swap(new)
         return Served(new.identity, new.path)
 
@@ -54,6 +57,26 @@ class ReferenceEngine:
 
     def verify(self) -> None:
         pass  # the model in this process is the one swapped in: nothing else can change it
+
+    def _check_probe(self, new: ServedModel, before: ServedModel) -> None:
+        """ValueError (the verdict's one line) when the loaded model does not answer the folder's
+        probe (``posttrain.serve.probe``) as the trainer's weights did; nothing to check without one."""
+        probe = read_probe(new.path)  # a malformed one raises ValueError naming the file
+        if probe is None:
+            return
+        try:
+            previous = read_probe(before.path)
+        except ValueError as e:
+            log.warning("not comparing with the served version's probe: %s", e)
+            previous = None
+        scored = score_with_model(new.model, probe.sequences())
+        scored_previous = score_with_model(new.model, previous.sequences()) if previous is not None else None
+        dtype = str(next(new.model.parameters()).dtype).removeprefix("torch.")
+        verdict = judge(scored, probe, scored_previous, previous, version=new.identity,
+                        previous_version=before.identity, engine_dtype=dtype)
+        if not verdict.ok:
+            raise ValueError(verdict.reason)
+        log.info("probe of %s: %s", new.identity, verdict.reason)
 
     def replica_errors(self) -> dict[str, str]:
         return {}  # one model in this process serves every replica

@@ -31,6 +31,7 @@ from posttrain.trainer.checkpoints import (
     last_complete_checkpoint,
 )
 from posttrain.trainer.config import ConfigError, TrainerConfig, TrainingResult
+from posttrain.trainer.probe import write_checkpoint_probe
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +143,32 @@ def lora_base_ref(config: TrainerConfig) -> BaseRef | None:
 
 
 def trainer_class(cls, base_ref: BaseRef | None):
-    """``cls``, or with LoRA a subclass whose saves also write the base reference beside the adapter
-    (in ``_save``, before ``trainer_state.json``, which makes a checkpoint complete)."""
-    if base_ref is None:
-        return cls
+    """``cls`` subclassed so that its saves write, in ``_save`` (after the weights, before
+    ``trainer_state.json``, which makes a checkpoint complete), the checkpoint's probe
+    (``posttrain.trainer.probe``) or, with LoRA, the base reference beside the adapter."""
 
-    class LoraTrainer(cls):
+    class PosttrainTrainer(cls):
         def _save(self, output_dir: str | None = None, state_dict=None) -> None:
             super()._save(output_dir, state_dict)
-            write_base_ref(output_dir or self.args.output_dir, base_ref)
+            out = output_dir or self.args.output_dir
+            if base_ref is not None:
+                write_base_ref(out, base_ref)  # LoRA: no probe (see write_checkpoint_probe)
+            elif self.args.should_save and _whole_model_in_memory(self, state_dict):
+                write_checkpoint_probe(self.model, out)
 
-    return LoraTrainer
+    PosttrainTrainer.__name__ = PosttrainTrainer.__qualname__ = f"Posttrain{cls.__name__}"
+    return PosttrainTrainer
+
+
+def _whole_model_in_memory(trainer, state_dict) -> bool:
+    """Whether ``trainer.model`` on this (the saving) rank holds every weight just saved, so the probe
+    can be computed on it alone. True for one process and for data parallelism (DDP: every rank a
+    full replica; the forward pass on the unwrapped model needs no collective). False when the
+    weights came in as a gathered ``state_dict`` (FSDP, DeepSpeed, SageMaker MP) or the model is
+    sharded at load time (tensor parallelism): a forward pass there needs every rank, so those
+    checkpoints carry no probe (consumers read the probe as optional).
+    """
+    return state_dict is None and not getattr(trainer, "is_distributed_loading_by_transformers", False)
 
 
 def grpo_arguments(config: TrainerConfig):

@@ -39,6 +39,7 @@ from posttrain.trainer.grpo_math import (
     token_logps,
     truncated_importance_weights,
 )
+from posttrain.trainer.probe import write_checkpoint_probe
 
 log = logging.getLogger(__name__)
 
@@ -376,5 +377,7 @@ def _save_atomically(model, optimizer, model_dir: Path, target: Path, state: Pol
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        # rank 0's model is a full replica of the weights just saved (gradients are summed over ranks)
+        write_checkpoint_probe(model, tmp)  # before trainer_state.json, which completes the checkpoint
         (tmp / TRAINER_STATE_FILE).write_text(state.model_dump_json(indent=2) + "\n")
         publish_dir(tmp, target, sync_files=True)

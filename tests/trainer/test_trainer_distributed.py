@@ -18,6 +18,7 @@ from posttrain.rewards import length_reward
 from posttrain.rollouts.format import write_rollouts
 from posttrain.testing.sampler import sample_rollouts
 from posttrain.trainer.checkpoints import complete_checkpoints
+from tests.trainer.test_trainer_probe import check_probe_of
 
 AUDIT = Path(__file__).with_name("audited_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -59,6 +60,7 @@ def test_grpo_on_two_ranks_rank0_writes_every_checkpoint_file(tiny_model_dir, st
     for step in (1, 2):
         names = {p.name for p in (out / f"checkpoint-{step}").iterdir()}
         assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "trainer_state.json"} <= names
+        check_probe_of(out / f"checkpoint-{step}")  # by rank 0, on its full replica of the saved weights
     assert writes.get(1, []) == []  # rank 1 never wrote under the output folder
     assert any("checkpoint-2/rng_state_1.pth" in w for w in writes[0])  # rank 0 wrote rank 1's RNG state
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -86,6 +88,7 @@ def test_step_on_two_ranks_is_the_one_process_update(tiny_model_dir, tmp_path: P
         state = json.loads((checkpoint.path / "trainer_state.json").read_text())
         assert (state["global_step"], state["rollouts_used"]) == (2, 16)
         weights[nproc] = load_file(str(checkpoint.path / "model.safetensors"))
+        check_probe_of(checkpoint.path)
         lines = (out / "results.jsonl").read_text().splitlines()
         assert len(lines) == 1
     changed = False
