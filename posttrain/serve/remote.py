@@ -47,6 +47,7 @@ from posttrain.serve.completions import ACCEPTED, RequestError, parse_request
 from posttrain.serve.engine import EngineCallError, EngineError, Served
 from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, Replica, ReplicaChecks, read_label
 from posttrain.serve.model_slot import recorded_version
+from posttrain.serve.probe import completions_body, judge, parse_prompt_logprobs, read_probe
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
@@ -61,12 +62,14 @@ class RemoteEngine(ReplicaChecks):
                  reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0,
                  max_request_tokens: int | None = None, max_lora_rank: int | None = None,
                  max_tokens_limit: int = NO_LIMIT, max_n: int = NO_LIMIT,
-                 tolerance: float = DEFAULT_FINGERPRINT_TOLERANCE):
+                 tolerance: float = DEFAULT_FINGERPRINT_TOLERANCE, engine_dtype: str | None = None):
         """``reload``: in-place, restart, or auto (restart when ``restart_when_tied`` and the model ties
         its embeddings: an engine kind whose in-place reload gets that wrong). ``max_lora_rank``: the
         replicas load LoRA adapters at run time up to this rank; None refuses adapters. The request
         limits are the reference server's (``completions.parse_request``); ``tolerance``: how far a
-        replica's answers to the probe prompt may move while it holds the same weights (``holding``)."""
+        replica's answers to the probe prompt may move while it holds the same weights (``holding``);
+        ``engine_dtype``: the dtype the engines compute in, when known (a coarser one than the weights'
+        widens the snapshot probe's tolerance)."""
         if not replicas:
             raise ValueError(f"the {kind} engine needs at least one replica")
         self.kind = kind
@@ -77,7 +80,7 @@ class RemoteEngine(ReplicaChecks):
         self.replicas = replicas
         self.replica_names = [r.name for r in replicas]
         self.reload_mode = reload
-        self.tolerance = tolerance
+        self.tolerance, self.engine_dtype = tolerance, engine_dtype
         self.boot_dir = model_dir
         self.layout: Layout = folder_layout(model_dir)
         self.max_positions, self.vocab_size = _model_limits(model_dir)
@@ -218,9 +221,32 @@ class RemoteEngine(ReplicaChecks):
         return True
 
     def _check_probe(self, r: Replica, folder: Path, previous: Path | None) -> bool:
-        """Check ``r``'s answers against the probe the trainer stored in ``folder`` (and the previous
-        version's, which they must be further from); True when checked, False when ``folder`` has none."""
-        return False
+        """Check ``r``'s answers against the probe the trainer stored in ``folder`` (``probe``: the expected
+        answers of fixed prompts, computed on the weights it saved), and, when ``previous`` has one, that
+        they are closer to this version's than to the previous one's. True when checked, False when
+        ``folder`` has no probe (another producer's snapshot: the other checks stand alone)."""
+        probe = read_probe(folder)  # a malformed one raises ValueError naming the file
+        if probe is None:
+            return False
+        try:
+            before = read_probe(previous) if previous is not None else None
+        except ValueError as e:
+            log.warning("not comparing with the previous version's probe: %s", e)
+            before = None
+        scored = [self._score(r, seq) for seq in probe.sequences()]
+        scored_before = [self._score(r, seq) for seq in before.sequences()] if before is not None else None
+        verdict = judge(scored, probe, scored_before, before, version=folder.name,
+                        previous_version=previous.name if previous is not None else None,
+                        engine_dtype=self.engine_dtype)
+        if not verdict.ok:
+            raise EngineError(f"{r.name}: {verdict.reason}")
+        log.info("%s: probe of %s: %s", r.name, folder.name, verdict.reason)
+        return True
+
+    def _score(self, r: Replica, sequence: tuple[list[int], int]) -> list[float]:
+        """``r``'s teacher-forced logprobs of a probe sequence's completion tokens (prompt logprobs)."""
+        ids, start = sequence
+        return parse_prompt_logprobs(r.client.complete(completions_body(self.model_name, sequence)), start, ids)
 
     def _restart_needed(self, folder: Path) -> bool:
         return self.reload_mode == "restart" or (

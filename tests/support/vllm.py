@@ -91,3 +91,43 @@ def served_greedy(api, prompts: list[list[int]] = PROMPTS) -> tuple[Greedy, str 
         out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
         identity = reply["snapshot_identity"]
     return out, identity
+
+
+def with_probe(model_dir: Path) -> Path:
+    """Write the probe a trainer would (``posttrain.probe.json``) into ``model_dir``, from its weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.trainer.probe import write_checkpoint_probe
+
+    write_checkpoint_probe(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), model_dir)
+    return model_dir
+
+
+class KeepsOneTensor:
+    """An engine client whose reload keeps one tensor's old value (``tensor`` from ``old``): the engine
+    answers differently afterwards, its layout is right, and it does not hold the version."""
+
+    def __init__(self, inner, tensor: str, old: Path, scratch: Path):
+        self.inner, self.tensor, self.old, self.scratch = inner, tensor, old, scratch
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reload(self, folder: Path) -> None:
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        mixed = self.scratch / folder.name
+        shutil.rmtree(mixed, ignore_errors=True)
+        shutil.copytree(folder, mixed)
+        for shard in mixed.glob("*.safetensors"):
+            weights = load_file(shard)
+            if self.tensor in weights:
+                old = {}
+                for src in self.old.glob("*.safetensors"):
+                    old.update(load_file(src))
+                weights[self.tensor] = old[self.tensor]
+                save_file(weights, shard, metadata={"format": "pt"})
+        self.inner.reload(mixed)

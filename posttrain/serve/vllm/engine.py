@@ -53,7 +53,8 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
                         reload=config.reload, restart_when_tied=True, monitor_interval_s=config.probe_interval_s,
                         max_request_tokens=config.max_request_tokens, max_tokens_limit=config.max_tokens_limit,
                         max_n=config.max_n, max_lora_rank=config.vllm.max_lora_rank,
-                        tolerance=FINGERPRINT_TOLERANCE.get(config.vllm.dtype, DEFAULT_FINGERPRINT_TOLERANCE))
+                        tolerance=FINGERPRINT_TOLERANCE.get(config.vllm.dtype, DEFAULT_FINGERPRINT_TOLERANCE),
+                        engine_dtype=None if config.vllm.dtype == "auto" else config.vllm.dtype)
 
 
 def _attach(i: int, url: str, name: str) -> VLLMClient:

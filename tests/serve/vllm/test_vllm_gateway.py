@@ -24,6 +24,7 @@ from posttrain.serve.vllm.process import VLLMProcess, VLLMProcessConfig
 from tests.support.serving import DEPLOYMENT, FORBIDDEN, PREFIX, TOKEN, Api
 from tests.support.vllm import (
     MAX_TOKENS,
+    KeepsOneTensor,
     PROMPTS,
     assert_matches,
     perturbed,
@@ -31,6 +32,7 @@ from tests.support.vllm import (
     served_greedy,
     transformers_greedy,
     vllm_model,
+    with_probe,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -158,6 +160,34 @@ def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gat
     target = 1 if index != 1 else 2  # a delta that applies to what it serves (or, after the full, its chain)
     loader.hot_load(untied["ids"][target], base_identity=untied["ids"][target - 1])
     assert_matches(served_greedy(api)[0], untied["refs"][target])
+
+
+def test_an_engine_keeping_one_tensors_old_value_fails_the_probe_and_the_previous_version_serves(
+        gateway, untied, make_client, tmp_path):
+    """The trainer's probe travels with the snapshot; an engine whose reload kept one tensor's old value
+    answers differently (so "it changed" passes) but not as the trainer's weights did: refused."""
+    api = Api(gateway.url)
+    loader = _loader(gateway, make_client)
+    served_answers, served = served_greedy(api)
+    index = untied["ids"].index(served)
+    base = untied["models"][index]
+    new = untied["writer"].add(with_probe(perturbed(base, tmp_path / "m-probe", 7)), base=base, step=30)
+    on = {"base_identity": served} if new.kind == "delta" else {}  # full after a test's layout change
+    replica = gateway.engine.replicas[0]
+    honest = replica.client
+    replica.client = KeepsOneTensor(honest, "model.layers.1.mlp.down_proj.weight", gateway.engine.current().path,
+                                    tmp_path / "mixed")
+    try:
+        with pytest.raises(HotLoadFailed, match="it does not hold version"):
+            loader.hot_load(new.identity, **on)
+    finally:
+        replica.client = honest
+    got, stamped = served_greedy(api)
+    assert stamped == served
+    assert_matches(got, untied["refs"][index])  # the previous version, put back
+    loader.hot_load(new.identity, **on)  # the honest engine passes the same probe
+    assert served_greedy(api)[1] == new.identity
+    assert_matches(served_greedy(api)[0], transformers_greedy(tmp_path / "m-probe"))
 
 
 @pytest.mark.parametrize("extra,field", FORBIDDEN, ids=[f for _, f in FORBIDDEN])
