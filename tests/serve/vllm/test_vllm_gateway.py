@@ -72,6 +72,20 @@ def _gateway(chain: dict, work: Path, **fields) -> InferenceServer:
     return InferenceServer(config).start()
 
 
+def _assert_stamped_right(api: Api, identity: str, refs) -> bool:
+    """Ask for every prompt's greedy answer: each is refused (503) or comes from ``identity``'s weights and is
+    stamped so; True when all were answered."""
+    replies = [api.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                 "temperature": 0, "logprobs": 1}) for p in PROMPTS]
+    assert all(r.status_code in (200, 503) for r in replies), [r.text for r in replies]
+    if not all(r.status_code == 200 for r in replies):
+        return False
+    assert {r.json()["snapshot_identity"] for r in replies} == {identity}
+    assert_matches([(r.json()["choices"][0]["token_ids"], r.json()["choices"][0]["logprobs"]["token_logprobs"])
+                    for r in replies], refs)
+    return True
+
+
 def _loader(server: InferenceServer, make_client):
     return make_client(server, timeout=300, fallback_to_full=False)
 
@@ -149,6 +163,7 @@ def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gat
     while time.monotonic() < deadline:
         replica = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"][0]
         states.append(replica["state"])
+        _assert_stamped_right(api, serving, untied["refs"][index])  # while it restarts, too
         if "ERROR" in states and replica["state"] == "READY":
             break
         time.sleep(0.5)
@@ -217,21 +232,38 @@ def test_a_vllm_at_a_url_restarted_on_its_launch_weights_is_never_stamped_and_is
         restarter.start()
         answered, deadline = [], time.monotonic() + 300
         while time.monotonic() < deadline:
-            replies = [api.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
-                                                         "temperature": 0, "logprobs": 1}) for p in PROMPTS]
-            assert all(r.status_code in (200, 503) for r in replies), [r.text for r in replies]
-            if all(r.status_code == 200 for r in replies):
-                got = [(r.json()["choices"][0]["token_ids"], r.json()["choices"][0]["logprobs"]["token_logprobs"])
-                       for r in replies]
-                assert {r.json()["snapshot_identity"] for r in replies} == {untied["ids"][1]}
-                assert_matches(got, untied["refs"][1])  # never the launch weights stamped as ids[1]
+            # never the launch weights stamped as ids[1]
+            if _assert_stamped_right(api, untied["ids"][1], untied["refs"][1]):
                 answered.append(not restarter.is_alive())
                 if answered[-1]:
                     break
-            time.sleep(0.2)
+            time.sleep(0.5)
         restarter.join()
         assert answered and answered[-1], "the gateway never served again after the engine restarted"
         assert not server.engine.replica_errors()
+    finally:
+        if server is not None:
+            server.shutdown()
+        engine.stop()
+
+
+def test_a_tied_model_at_a_url_refuses_the_hot_load_and_keeps_serving(make_client, tmp_path):
+    """vLLM's CPU build reloads a tied model wrongly in place, and an engine someone else runs cannot be
+    restarted by the gateway: the hot-load is refused before vLLM is touched, and it keeps serving."""
+    tied = _chain(tmp_path / "tied", tied=True)
+    engine = VLLMProcess(VLLMProcessConfig(served_model_name="tiny", log_file=tmp_path / "theirs.log"))
+    engine.start(tied["models"][0])
+    server = None
+    try:
+        server = _gateway(tied, tmp_path / "work", engine_urls=[engine.url])
+        api = Api(server.url)
+        refs = transformers_greedy(tied["models"][0])
+        with pytest.raises(HotLoadFailed, match="cannot restart an engine someone else runs"):
+            _loader(server, make_client).hot_load(tied["ids"][1], base_identity=tied["ids"][0])
+        op_id = api.ops()[0]["spec"]["id"]
+        replicas = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"]
+        assert [r["state"] for r in replicas] == ["READY"]
+        assert _assert_stamped_right(api, None, refs)  # still the launch weights, stamped as such
     finally:
         if server is not None:
             server.shutdown()
