@@ -57,7 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-n", type=int, default=64, help="largest n a request may ask")
     p.add_argument("--max-request-tokens", type=int, default=262_144,
-                   help="largest prompts x n x max_tokens one completions request may ask (default 262144)")
+                   help="largest n x (prompt + max_tokens) tokens, summed over the prompts, one completions request "
+                   "may ask (default 262144)")
+    p.add_argument("--probe-interval", type=float, default=2.0, dest="probe_interval_s", metavar="SECONDS",
+                   help="vllm, sglang: seconds between health probes; each reads back what every replica holds "
+                   "(default 2)")
     p.add_argument("--max-batch-rows", type=int, default=64, help="sequences sampled together")
     p.add_argument("--test-hooks", action="store_true",
                    help="serve /_test/faults and /_test/stats to inject faults (tests only)")
@@ -113,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             token=token, work_dir=args.work_dir, replicas=args.replicas, device=args.device, engine=args.engine,
             reload=args.reload, **_engine_fields(args),
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_request_tokens=args.max_request_tokens,
-            max_batch_rows=args.max_batch_rows,
+            max_batch_rows=args.max_batch_rows, probe_interval_s=args.probe_interval_s,
             test_hooks=args.test_hooks, faults=faults,
         )
     except ValidationError as e:

@@ -1,7 +1,7 @@
 """An engine in other processes behind the gateway (vLLM, SGLang): safe, versioned hot-loads.
 
 Engines that reload weights from a folder do not do it safely on their own
-(shared/research/vllm-cpu.md): vLLM reloads a folder missing a tensor with HTTP 200 into a
+(docs/gateway.md): vLLM reloads a folder missing a tensor with HTTP 200 into a
 silent mix of two versions, a wrong shape leaves it broken until restarted, and with tied
 embeddings its CPU build keeps the old LM head. So a hot-load here:
 
