@@ -11,6 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-kubernetes-pool", action="store_true", help="create only the process work pool")
     p.add_argument("--default-store", type=Path,
                    help="also save the embedded default blocks: local cluster and this folder as the store")
+    p.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                   help="mark a posttrain flow run Crashed after this many seconds without a heartbeat (a lost "
+                   "worker), so it can be retried (default 90)")
     p.set_defaults(func=cmd_setup)
 
 
@@ -19,6 +22,15 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
     print("block types:", ", ".join(register_blocks()))
     print("work pools:", ", ".join(create_pools(kubernetes=not args.no_kubernetes_pool)))
+    from posttrain.pipeline.deployments.unresponsive import (
+        AUTOMATION_NAME,
+        DEFAULT_TIMEOUT_S,
+        install_unresponsive_runs_automation,
+    )
+
+    timeout = args.heartbeat_timeout or DEFAULT_TIMEOUT_S
+    install_unresponsive_runs_automation(timeout)
+    print(f"automation: {AUTOMATION_NAME} (a run without a heartbeat for {timeout} s is marked Crashed)")
     if args.default_store is not None:
         from posttrain.pipeline.blocks import LocalCluster, ObjectStore
 

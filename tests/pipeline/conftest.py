@@ -289,25 +289,80 @@ class Worker:
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
+    def lose(self) -> None:
+        """What losing the worker (or its login node) does: SIGKILL at once to it and to the flow-run
+        processes it started (``python -m prefect.engine``, wherever their session is), and nothing else:
+        no signal, no closed pipe reaches a flow run before it dies. The jobs they submitted go on."""
+        doomed = [self.proc.pid] + [pid for pid in _descendants(self.proc.pid)
+                                    if "prefect.engine" in _cmdline(pid)]
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGSTOP)  # none may react to another's death
+            except ProcessLookupError:
+                pass
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _wait_gone(self.proc, 10)
+
+    def restart(self) -> None:
+        """A new worker in place of this one (after ``lose``)."""
+        stop_worker(self.proc)
+        self.proc = _start_worker(self.log)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under ``pid`` (children, theirs, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _start_worker(log: Path) -> subprocess.Popen:
+    """A process worker on posttrain-process polling every second, in its own process group, once it
+    says it started."""
+    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    start = log.stat().st_size if log.exists() else 0
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(_prefect_cmd("worker", "start", "--pool", PROCESS_POOL, "--type", "process"),
+                                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 60
+    while "started" not in log.read_bytes()[start:].decode(errors="replace"):
+        if proc.poll() is not None:
+            pytest.fail(f"the Prefect worker exited ({proc.returncode}):\n{log.read_text(errors='replace')[-3000:]}")
+        if time.monotonic() > deadline:
+            stop_worker(proc)
+            pytest.fail(f"the Prefect worker did not start in 60 s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+    return proc
+
 
 @pytest.fixture(scope="session")
 def process_worker(deployed: Deployed, tiny_setup: TinySetup) -> Iterator[Worker]:
     """A process worker on posttrain-process polling every second, in its own process group."""
-    log = tiny_setup.root / "worker.log"
-    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(_prefect_cmd("worker", "start", "--pool", PROCESS_POOL, "--type", "process"),
-                                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    worker = Worker(proc, log)
+    worker = Worker(_start_worker(tiny_setup.root / "worker.log"), tiny_setup.root / "worker.log")
     try:
-        deadline = time.monotonic() + 60
-        while "started" not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                pytest.fail(f"the Prefect worker exited ({proc.returncode}):\n{worker.tail()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the Prefect worker did not start in 60 s:\n{worker.tail()}")
-            time.sleep(0.2)
         yield worker
     finally:
-        stop_worker(proc)
+        stop_worker(worker.proc)
