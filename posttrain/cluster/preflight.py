@@ -11,7 +11,6 @@ lives in the image: both are left to the job.
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import shutil
@@ -20,10 +19,9 @@ import sys
 from collections.abc import Mapping
 from typing import Literal
 
+from posttrain import redact
 from posttrain.cluster.config import ClusterConfig, LocalConfig, SlurmConfig
 from posttrain.cluster.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 PathKind = Literal["folder", "file", "folder to create"]
 LAUNCHER_PROGRAMS = {"torchrun": "torchrun", "accelerate": "accelerate"}
@@ -81,18 +79,20 @@ def _remote_path_problem(config: SlurmConfig, path: str, kind: PathKind) -> str 
     return None if result.returncode == 0 else f"is not a {'file' if kind == 'file' else 'folder'} there"
 
 
-def check_launcher(config: ClusterConfig) -> None:
+def check_launcher(config: ClusterConfig) -> str | None:
     """``ConfigError`` (field ``launcher``) when the launcher's program is not on the job's PATH.
     Local: looked up in the job's environment. Slurm: a one-task ``srun`` probe on a node of the
     cluster's partition, in its image, after its env and setup_commands (cached per settings).
-    Kubernetes: the image's business, not checked."""
+    Kubernetes: the image's business, not checked. Returns why nothing was checked when a Slurm
+    probe could not tell (for the run's log), else None."""
     program = LAUNCHER_PROGRAMS.get(config.launcher)
     if program is None or config.dry_run:
-        return  # launcher python: the command itself starts, as written
+        return None  # launcher python: the command itself starts, as written
     if isinstance(config, LocalConfig):
         _check_local(config, program)
     elif isinstance(config, SlurmConfig):
-        _check_slurm(config, program)
+        return _check_slurm(config, program)
+    return None
 
 
 def _check_local(config: LocalConfig, program: str) -> None:
@@ -131,36 +131,37 @@ def probe_command(config: SlurmConfig, program: str) -> list[str]:
     return [*args, "bash", "-c", "\n".join(lines)]
 
 
-def _check_slurm(config: SlurmConfig, program: str) -> None:
+def _check_slurm(config: SlurmConfig, program: str) -> str | None:
     key = config.model_dump_json(exclude={"poll_interval_s", "dry_run"})
     if key not in _probed:
-        outcome = _probe_slurm(config, program)
+        outcome, note = _probe_slurm(config, program)
         if outcome is None:
-            return  # no answer: not checked, the job itself will tell
+            return note  # no answer: not checked, the job itself will tell
         _probed[key] = outcome
     if _probed[key]:
         raise ConfigError("launcher", _probed[key])  # type: ignore[arg-type]
+    return None
 
 
-def _probe_slurm(config: SlurmConfig, program: str) -> str | None:
-    """'' when found, the error message when missing, None when the probe could not tell."""
+def _probe_slurm(config: SlurmConfig, program: str) -> tuple[str | None, str]:
+    """('', '') when found, (the error message, '') when missing, (None, why) when the probe
+    could not tell."""
     from posttrain.cluster.shell import LocalShell, SshShell
 
     shell = SshShell(config.ssh_host) if config.ssh_host else LocalShell()
     try:
         result = shell.run(probe_command(config, program), check=False, timeout=PROBE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("launcher %s not checked: the srun probe did not answer (%s)", config.launcher, e)
-        return None
+        return None, redact.scrub(f"launcher {config.launcher} not checked: the srun probe did not answer ({e})")
     out = result.stdout.decode(errors="replace")
     if result.returncode == 0 and out.strip():
-        return ""
+        return "", ""
     if MISSING in out:
         where = f"partition {config.partition}" if config.partition else "the default partition"
         inside = f", in image {config.image}" if config.image else ""
         return (f"{program} is not on the nodes' PATH ({where}{inside}, after env_file, env and "
-                "setup_commands; srun probe); install it there, add it through setup_commands, or use launcher: python")
+                "setup_commands; srun probe); install it there, add it through setup_commands, or use launcher: "
+                "python"), ""
     reason = " ".join(result.stderr.decode(errors="replace").split())[-300:]
-    log.warning("launcher %s not checked: the srun probe failed (exit %s: %s)", config.launcher, result.returncode,
-                reason)
-    return None
+    return None, redact.scrub(f"launcher {config.launcher} not checked: the srun probe failed "
+                              f"(exit {result.returncode}: {reason})")

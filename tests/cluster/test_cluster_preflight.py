@@ -120,12 +120,12 @@ def test_slurm_probe_missing_launcher_is_one_line_naming_the_partition(tmp_path,
     assert len(fake_srun.read_text().splitlines()) == 1
 
 
-def test_slurm_probe_that_gets_no_allocation_checks_nothing(tmp_path, monkeypatch, caplog):
+def test_slurm_probe_that_gets_no_allocation_checks_nothing(tmp_path, monkeypatch):
     _program(tmp_path / "fake", "srun", 'echo "srun: error: Unable to allocate resources: Immediate" >&2; exit 1')
     monkeypatch.setenv("PATH", f"{tmp_path / 'fake'}:/usr/bin:/bin")
     monkeypatch.setattr(preflight, "_probed", {})
-    preflight.check_launcher(SlurmConfig(shared_dir="/mnt/shared"))
-    assert "not checked: the srun probe failed" in caplog.text and "Unable to allocate" in caplog.text
+    note = preflight.check_launcher(SlurmConfig(shared_dir="/mnt/shared"))
+    assert note.startswith("launcher torchrun not checked: the srun probe failed") and "Unable to allocate" in note
     assert preflight._probed == {}  # asked again next time
 
 

@@ -3,7 +3,7 @@ passed around), its reward functions, the paths its job reads and the cluster's 
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.blocks.core import Block
 
 from posttrain.cluster import preflight
@@ -49,6 +49,8 @@ def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: st
     preflight.check_paths(settings, {"base_model": (base_model, "folder"), "dataset": (dataset, "file"),
                                      "shared_dir": (shared_dir, "folder to create")})
     try:
-        preflight.check_launcher(settings)
+        note = preflight.check_launcher(settings)
     except ConfigError as e:
         raise ValueError(f"cluster {cluster}: {e}") from None
+    if note:
+        get_run_logger().warning("cluster %s: %s", cluster, note)
