@@ -65,6 +65,10 @@ class SnapshotResult:
 
     @property
     def share_of_full(self) -> float:
+        """A delta's stored bytes over the raw bytes of the weights; a full snapshot is the full
+        (its index, config and checksums are not counted against it)."""
+        if self.kind == "full":
+            return 1.0
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 0.0
 
     @property
@@ -314,10 +318,15 @@ class SnapshotSummary:
     stored_bytes: int
     full_bytes: int  # raw bytes of the model version
     density: float | None = None
+    # Stored bytes of the full snapshot this version builds on (itself, for a full one); 0 when the
+    # chain holds none (a slime chain on boot weights).
+    full_stored_bytes: int = 0
 
     @property
-    def share_of_full(self) -> float:
-        return self.stored_bytes / self.full_bytes if self.full_bytes else 0.0
+    def share_of_full(self) -> float | None:
+        """Stored bytes over those of the full snapshot the version builds on: what fetching this
+        snapshot costs against fetching a full one. A full snapshot is 1.0; None without one."""
+        return self.stored_bytes / self.full_stored_bytes if self.full_stored_bytes else None
 
 
 def inspect_chain(chain_dir: str | Path, *, density: bool = False) -> list[SnapshotSummary]:
@@ -325,18 +334,23 @@ def inspect_chain(chain_dir: str | Path, *, density: bool = False) -> list[Snaps
     chain = ChainFolder(chain_dir)
     out = []
     for ref in chain.ordered():
-        stored = sum(p.stat().st_size for p in ref.path.iterdir() if p.is_file())
+        stored = _stored_bytes(ref)
         if ref.kind == "full":
             ckpt = Checkpoint.open(ref.path)
             n = len(ckpt.tensors)
-            out.append(SnapshotSummary(ref.name, "full", None, n, n, stored, ckpt.total_bytes, 1.0))
+            out.append(SnapshotSummary(ref.name, "full", None, n, n, stored, ckpt.total_bytes, 1.0, stored))
         else:
             full, _ = chain.resolve(ref.name)
             total, n = _full_size(full)
             changed = len(read_index(ref.path).get("weight_map", {}))
             dens = changed_bytes(open_delta(ref.path)) / total if density and total else None
-            out.append(SnapshotSummary(ref.name, "delta", ref.base_version, changed, n, stored, total, dens))
+            out.append(SnapshotSummary(ref.name, "delta", ref.base_version, changed, n, stored, total, dens,
+                                       _stored_bytes(full) if full is not None else 0))
     return out
+
+
+def _stored_bytes(ref: SnapshotRef) -> int:
+    return sum(p.stat().st_size for p in ref.path.iterdir() if p.is_file())
 
 
 def _full_size(full: SnapshotRef | None) -> tuple[int, int]:

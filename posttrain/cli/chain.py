@@ -227,6 +227,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for s in rows:
         dens = f"{100 * s.density:.2f}" if s.density is not None else "-"
         table.add_row(s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}", dens,
-                      human_bytes(s.stored_bytes), f"{100 * s.share_of_full:.2f}")
+                      human_bytes(s.stored_bytes), "-" if s.share_of_full is None else f"{100 * s.share_of_full:.2f}")
+    table.caption = "% of full: stored bytes over those of the full snapshot the version builds on"
     make_console().print(table)
     return 0

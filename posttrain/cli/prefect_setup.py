@@ -18,8 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from posttrain.pipeline.deployments.setup import create_pools, register_blocks
+    from posttrain.cli import UsageError
+    from posttrain.pipeline.deployments.setup import PrefectUnreachable, create_pools, register_blocks, require_server
 
+    try:
+        require_server()
+    except PrefectUnreachable as e:
+        raise UsageError(str(e)) from None
     print("block types:", ", ".join(register_blocks()))
     print("work pools:", ", ".join(create_pools(kubernetes=not args.no_kubernetes_pool)))
     from posttrain.pipeline.deployments.unresponsive import (

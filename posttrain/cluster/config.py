@@ -149,8 +149,9 @@ class SlurmConfig(_LaunchSettings):
         description="Folder of the job folders, on shared storage; defaults to <shared_dir>/posttrain-jobs.",
     )
     image: str | None = Field(
+        default=None,
         description="Container for pyxis/enroot (docker://registry#repo:tag, a Docker Hub name, or an absolute "
-        ".sqsh on shared storage); null runs on the nodes' own environment."
+        ".sqsh on shared storage); unset (null) runs on the nodes' own environment."
     )
     python: str = Field(
         default="python3",

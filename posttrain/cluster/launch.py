@@ -39,11 +39,21 @@ def is_python(program: str) -> bool:
     return bool(_PYTHON.fullmatch(posixpath.basename(program)))
 
 
+def no_python(launcher_args: Sequence[str]) -> bool:
+    """Whether the launcher is told to run the program as is (torchrun ``--no-python``, accelerate
+    ``--no_python``): then the command may be any program, started once per process."""
+    return any(a.lstrip("-").split("=", 1)[0].replace("-", "_") == "no_python" for a in launcher_args)
+
+
 def python_target(command: Sequence[str], launcher: str) -> list[str]:
     """What follows ``python`` in the command, as torchrun/accelerate take it: ``-m module args``
     or ``script.py args``. ``ValueError`` when the command cannot be launched that way."""
     if not is_python(command[0]):
-        raise ValueError(f"launcher {launcher} runs Python: the command must start with python, not {command[0]!r}")
+        raise ValueError(
+            f"launcher {launcher} runs Python: the command must start with python, not {command[0]!r}; "
+            "run another program as is with launcher: python (one node), or once per process with "
+            f"launcher_args: [{'--no_python' if launcher == 'accelerate' else '--no-python'}]"
+        )
     rest = list(command[1:])
     if not rest:
         raise ValueError(f"launcher {launcher} needs a module (-m name) or a script after python")
@@ -65,7 +75,8 @@ def launch_line(launcher: str, launcher_args: Sequence[str], command: Sequence[s
     rank, addr, port = f'"{topo.node_rank}"', f'"{topo.master_addr}"', f'"{topo.master_port}"'
     if launcher == "python":
         return " ".join(q(a) for a in command)
-    target = " ".join(q(a) for a in python_target(command, launcher))
+    program = list(command) if no_python(launcher_args) else python_target(command, launcher)
+    target = " ".join(q(a) for a in program)
     extra = "".join(" " + q(a) for a in launcher_args)
     if launcher == "torchrun":
         return (

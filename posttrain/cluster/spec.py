@@ -47,7 +47,8 @@ class JobSpec(BaseModel):
     command: list[str] | None = Field(
         default=None,
         description="Program and arguments started on every node. With the torchrun or accelerate "
-        "launcher it must start with python (python, python3 or a path to one).",
+        "launcher it must start with python (python, python3 or a path to one), unless launcher_args has "
+        "--no-python (torchrun) or --no_python (accelerate).",
     )
     function: Callable[..., Any] | None = Field(
         default=None,

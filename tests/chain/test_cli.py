@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from posttrain.chain.ops import inspect_chain
 from tests.support.tensors import load_bytes
 
 
@@ -179,3 +180,22 @@ def test_apply_from_held_that_the_chain_cannot_reach_is_one_line(held_and_later,
     assert proc.stderr.startswith(f"posttrain: error: {first} builds on {base}, which neither {later} holds nor "
                                   f"{held} (it holds {holds}): the chain lacks a delta between {holds} and {d3}, or ")
     assert not (tmp_path / "o").exists()
+
+
+def test_inspect_shows_a_full_snapshot_as_100_percent_of_full(model_pair, tmp_path):
+    # a full snapshot's files hold its index, config and checksums besides the tensors: against the
+    # raw tensor bytes it read "101.90 % of full"; the column compares stored bytes with stored bytes
+    base, new = model_pair
+    chain = tmp_path / "chain"
+    full = posttrain("chain", "encode", str(base), "--out", str(chain), "--step", "6")
+    assert "= 100.00% of full" in full.stdout
+    posttrain("chain", "encode", str(new), "--out", str(chain), "--base", str(base))
+    rows = inspect_chain(chain)
+    assert [r.kind for r in rows] == ["full", "delta"]
+    assert rows[0].share_of_full == 1.0
+    assert rows[1].share_of_full == rows[1].stored_bytes / rows[0].stored_bytes
+    table = posttrain("chain", "inspect", str(chain)).stdout
+    full_row = next(r for r in table.splitlines() if rows[0].name in r)
+    assert float(full_row.split("│")[7]) == 100.0
+    delta_row = next(r for r in table.splitlines() if rows[1].name in r)
+    assert float(delta_row.split("│")[7]) == round(100 * rows[1].share_of_full, 2)

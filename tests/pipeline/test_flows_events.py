@@ -1,7 +1,8 @@
 """Prefect events of nightly deployment runs, read back from the server: a run that completes
 records its job's submission and completion, each snapshot published and each hot-load (checked on
 the run of test_flows_deployment.py, ``assert_nightly_events``); a run whose hot-load fails records
-the failure, and the example automation (automations/hotload-failed.yaml) sends a notification for it."""
+the failure, and the example automation (automations/hotload-failed.yaml) sends a notification for it
+(installing that file: test_automations_install.py)."""
 
 from __future__ import annotations
 
@@ -128,19 +129,6 @@ def delete_automation(automation) -> None:
     with get_client(sync_client=True) as client:
         client.delete_automation(automation.id)
         assert client.read_automations_by_name(automation.name) == []
-
-
-@pytest.mark.timeout(120)
-def test_the_example_automation_file_is_accepted_by_the_server(prefect_api):
-    automation = create_automation(AUTOMATION)
-    try:
-        assert automation.enabled
-        assert automation.trigger.expect == {"posttrain.hotload.failed"}
-        assert automation.trigger.match.root == {"posttrain.will-retry": "false"}
-        (action,) = automation.actions
-        assert action.type == "send-notification" and "{{ event.payload.error }}" in action.body
-    finally:
-        delete_automation(automation)
 
 
 @pytest.fixture

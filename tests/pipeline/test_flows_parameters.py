@@ -1,5 +1,5 @@
 """Run parameters as a Prefect user gives them, through the real server and process worker: what
-the schema cannot check (blocks, reward functions) fails the run before anything is submitted,
+the schema cannot check (blocks, reward functions, paths that do not exist) fails the run before anything is submitted,
 naming the parameter. (``--param`` changing exactly that setting of the job, the deployment's
 values holding for the rest: test_flows_concurrency.py, on the run that holds the slot.)"""
 
@@ -26,7 +26,11 @@ def instance(run: str, flow_run_id: str) -> str:
     # Every way a reward function fails to load: tests/rollouts/test_rewards.py.
     ({"reward_funcs": ["posttrain.rewards:nope"]},
      "reward_funcs[0] 'posttrain.rewards:nope': 'posttrain.rewards' has no function 'nope'"),
-], ids=["picked-cluster-block-missing-store", "unknown-reward-function"])
+    # An absolute path that does not exist passes the schema; inside the job it was an OSError about
+    # repo ids, after a queue slot.
+    ({"base_model": "/nonexistent/models/base"},
+     "base_model: /nonexistent/models/base does not exist (checked on this machine"),
+], ids=["picked-cluster-block-missing-store", "unknown-reward-function", "base-model-path-missing"])
 def test_what_the_schema_cannot_check_fails_before_submitting(process_worker, tiny_setup, params, message):
     proc, flow_run_id = run_deployment(NIGHTLY, tiny_setup.settings("flows-early", **params))
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"

@@ -56,7 +56,8 @@ InferenceDeployment(api_url="http://gateway-host:8000", gateway_url="http://gate
 ```
 """
 
-    api_url: str = Field("https://api.coreweave.com", description="Hot-load control plane URL.")
+    api_url: str = Field("https://api.coreweave.com", description="Hot-load control plane URL: CoreWeave's (the "
+                         "default) for a CoreWeave deployment; for a posttrain serve gateway its own URL, = gateway_url.")
     gateway_url: str = Field(description="Data-plane URL serving /v1/completions.")
     deployment_id: str = Field(description="Id of the deployment to hot-load.")
     model: str = Field(description="Model name the deployment serves.")

@@ -20,7 +20,7 @@ from posttrain.fsutil import atomic_write
 from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks import events
-from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
+from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import reward_curve, reward_curve_svg, round_table, size_column
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
@@ -52,6 +52,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
+    check_job_inputs(settings.cluster, settings.base_model, settings.dataset, settings.shared_dir)
     check_reward_funcs(settings.rollout.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     rows = read_staged_rows(staged.manifest_path)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
-from posttrain.pipeline.tasks.blocks import check_blocks, check_reward_funcs
+from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table
@@ -55,6 +55,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
+    check_job_inputs(settings.cluster, settings.base_model, settings.dataset, settings.shared_dir)
     check_reward_funcs(settings.trainer.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     trainer = trainer_config(settings.trainer, settings.lora, mode="grpo", model_name_or_path=settings.base_model,

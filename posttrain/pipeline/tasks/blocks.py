@@ -1,11 +1,13 @@
 """Checks before anything is submitted: the blocks a run names (looked up inside tasks, never
-passed around) and its reward functions."""
+passed around), its reward functions, the paths its job reads and the cluster's launcher."""
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.blocks.core import Block
 
+from posttrain.cluster import preflight
+from posttrain.cluster.errors import ConfigError
 from posttrain.rollouts.scoring import load_reward_funcs
 
 
@@ -35,3 +37,20 @@ def check_reward_funcs(paths: list[str]) -> None:
     """Import the run's reward functions before anything is submitted: an unknown one fails the
     run here, named (``reward_funcs[i]``), not later inside the training job or a rollout shard."""
     load_reward_funcs(paths)
+
+
+@task(name="check-job-inputs")
+def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: str) -> None:
+    """Before anything is submitted, on the flow's machine: the paths the run reads exist (on Slurm
+    the flow runs on the login node, which sees the shared storage) and the cluster's launcher is
+    on the nodes' PATH (Slurm: a one-task srun probe, once per cluster settings and process). On
+    Kubernetes neither can be seen from here (the PVC, the image): the job tells."""
+    settings = load_block(cluster, "cluster").settings
+    preflight.check_paths(settings, {"base_model": (base_model, "folder"), "dataset": (dataset, "file"),
+                                     "shared_dir": (shared_dir, "folder to create")})
+    try:
+        note = preflight.check_launcher(settings)
+    except ConfigError as e:
+        raise ValueError(f"cluster {cluster}: {e}") from None
+    if note:
+        get_run_logger().warning("cluster %s: %s", cluster, note)

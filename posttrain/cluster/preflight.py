@@ -1,0 +1,167 @@
+"""Checks before a job is queued: what the job will read exists, and its launcher is on the nodes'
+PATH. Either failing inside the job costs a queue slot and minutes on a real cluster (a base model
+path that does not exist reaches the job as an ``OSError`` about repo ids; a missing ``torchrun`` is
+status 127).
+
+Paths are checked where the submitter runs: on Slurm that is the login node (or ``ssh_host``),
+which sees the cluster's shared storage; locally it is where the job runs. On Kubernetes the paths
+live in the job's PersistentVolumeClaim, which the submitter does not mount, and the launcher
+lives in the image: both are left to the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Literal
+
+from posttrain import redact
+from posttrain.cluster.config import ClusterConfig, LocalConfig, SlurmConfig
+from posttrain.cluster.errors import ConfigError
+
+PathKind = Literal["folder", "file", "folder to create"]
+LAUNCHER_PROGRAMS = {"torchrun": "torchrun", "accelerate": "accelerate"}
+MISSING = "POSTTRAIN-LAUNCHER-MISSING"
+# The probe is a one-task job: it waits at most this long for an allocation (srun --immediate), and
+# the whole command at most PROBE_TIMEOUT_S; past either, the launcher is not checked (a warning).
+PROBE_WAIT_S = 60
+PROBE_TIMEOUT_S = 120
+# Outcomes of the Slurm probe per cluster settings, for this process: one probe per cluster, not
+# one per GRPO round. Only definite answers are kept (a probe that got no allocation is retried).
+_probed: dict[str, str | None] = {}
+
+
+def _where(config: ClusterConfig) -> str:
+    if isinstance(config, SlurmConfig):
+        host = f"on {config.ssh_host}" if config.ssh_host else "on this login node"
+        return f"checked {host}, which sees the cluster's shared storage"
+    return "checked on this machine, where the job runs"
+
+
+def check_paths(config: ClusterConfig, paths: Mapping[str, tuple[str, PathKind]]) -> None:
+    """``ConfigError`` naming the first of ``paths`` (name -> (path, kind)) that is not there.
+    A "folder to create" may be missing if its parent folder exists (the run creates it)."""
+    if not isinstance(config, SlurmConfig | LocalConfig):
+        return  # Kubernetes: the paths are in the job's PVC, which this process does not mount
+    for name, (path, kind) in paths.items():
+        problem = _path_problem(config, path, kind)
+        if problem:
+            raise ConfigError(name, f"{path} {problem} ({_where(config)})")
+
+
+def _path_problem(config: ClusterConfig, path: str, kind: PathKind) -> str | None:
+    if isinstance(config, SlurmConfig) and config.ssh_host:
+        return _remote_path_problem(config, path, kind)
+    if kind == "file":
+        return None if os.path.isfile(path) else ("is not a file" if os.path.exists(path) else "does not exist")
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return "is not a folder"
+    if kind == "folder to create" and os.path.isdir(os.path.dirname(path.rstrip("/")) or "/"):
+        return None
+    return "does not exist" if kind == "folder" else "does not exist, nor does its parent folder"
+
+
+def _remote_path_problem(config: SlurmConfig, path: str, kind: PathKind) -> str | None:
+    from posttrain.cluster.shell import SshShell
+
+    test = "-f" if kind == "file" else "-d"
+    parent = os.path.dirname(path.rstrip("/")) or "/"
+    script = f"test {test} {shlex.quote(path)}"
+    if kind == "folder to create":
+        script = f"{script} || {{ test ! -e {shlex.quote(path)} && test -d {shlex.quote(parent)}; }}"
+    result = SshShell(config.ssh_host).run(["sh", "-c", script], check=False, timeout=60)  # type: ignore[arg-type]
+    return None if result.returncode == 0 else f"is not a {'file' if kind == 'file' else 'folder'} there"
+
+
+def check_launcher(config: ClusterConfig) -> str | None:
+    """``ConfigError`` (field ``launcher``) when the launcher's program is not on the job's PATH.
+    Local: looked up in the job's environment. Slurm: a one-task ``srun`` probe on a node of the
+    cluster's partition, in its image, after its env and setup_commands (cached per settings).
+    Kubernetes: the image's business, not checked. Returns why nothing was checked when a Slurm
+    probe could not tell (for the run's log), else None."""
+    program = LAUNCHER_PROGRAMS.get(config.launcher)
+    if program is None or config.dry_run:
+        return None  # launcher python: the command itself starts, as written
+    if isinstance(config, LocalConfig):
+        _check_local(config, program)
+    elif isinstance(config, SlurmConfig):
+        return _check_slurm(config, program)
+    return None
+
+
+def _check_local(config: LocalConfig, program: str) -> None:
+    # the job's PATH as the local backend builds it: the submitter's Python folder first
+    path = config.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    if config.setup_commands:  # they may put it on the PATH (a venv's activate): ask a shell after them
+        script = " && ".join([*config.setup_commands, f"command -v {program}"])
+        found = subprocess.run(["bash", "-c", script], env={**os.environ, **config.env, "PATH": path},
+                               capture_output=True, timeout=60).returncode == 0
+    else:
+        found = shutil.which(program, path=path) is not None
+    if not found:
+        after = ", after setup_commands" if config.setup_commands else ""
+        raise ConfigError("launcher", f"{program} is not on the job's PATH on this machine "
+                          f"(the Python folder {os.path.dirname(sys.executable)}, then $PATH{after}); "
+                          "install it there, or use launcher: python")
+
+
+def probe_command(config: SlurmConfig, program: str) -> list[str]:
+    """The srun line of the Slurm probe: one task on one node of the job's partition, account and
+    qos, in the job's container, running what the job's node.sh runs before it (env_file, env,
+    setup_commands), then ``command -v`` the launcher."""
+    args = ["srun", "--job-name=posttrain-launcher-probe", "--nodes=1", "--ntasks=1", "--time=1",
+            f"--immediate={PROBE_WAIT_S}", "--mem=256M"]
+    args += [f"--{k}={v}" for k, v in (("partition", config.partition), ("account", config.account),
+                                        ("qos", config.qos)) if v]
+    if config.image:
+        args += [f"--container-image={config.image}",
+                 f"--container-mounts={','.join(f'{p}:{p}' for p in config.shared_roots)}",
+                 "--no-container-mount-home"]
+    lines = []
+    if config.env_file:
+        lines += ["set -a", f"source {shlex.quote(config.env_file)}", "set +a"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(config.env.items())]
+    lines += [*config.setup_commands, f"command -v {program} || {{ echo {MISSING}; exit 3; }}"]
+    return [*args, "bash", "-c", "\n".join(lines)]
+
+
+def _check_slurm(config: SlurmConfig, program: str) -> str | None:
+    key = config.model_dump_json(exclude={"poll_interval_s", "dry_run"})
+    if key not in _probed:
+        outcome, note = _probe_slurm(config, program)
+        if outcome is None:
+            return note  # no answer: not checked, the job itself will tell
+        _probed[key] = outcome
+    if _probed[key]:
+        raise ConfigError("launcher", _probed[key])  # type: ignore[arg-type]
+    return None
+
+
+def _probe_slurm(config: SlurmConfig, program: str) -> tuple[str | None, str]:
+    """('', '') when found, (the error message, '') when missing, (None, why) when the probe
+    could not tell."""
+    from posttrain.cluster.shell import LocalShell, SshShell
+
+    shell = SshShell(config.ssh_host) if config.ssh_host else LocalShell()
+    try:
+        result = shell.run(probe_command(config, program), check=False, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, redact.scrub(f"launcher {config.launcher} not checked: the srun probe did not answer ({e})")
+    out = result.stdout.decode(errors="replace")
+    if result.returncode == 0 and out.strip():
+        return "", ""
+    if MISSING in out:
+        where = f"partition {config.partition}" if config.partition else "the default partition"
+        inside = f", in image {config.image}" if config.image else ""
+        return (f"{program} is not on the nodes' PATH ({where}{inside}, after env_file, env and "
+                "setup_commands; srun probe); install it there, add it through setup_commands, or use launcher: "
+                "python"), ""
+    reason = " ".join(result.stderr.decode(errors="replace").split())[-300:]
+    return None, redact.scrub(f"launcher {config.launcher} not checked: the srun probe failed "
+                              f"(exit {result.returncode}: {reason})")

@@ -1,0 +1,153 @@
+"""Checks before a job is queued (posttrain.cluster.preflight): the paths the job reads exist, and
+the launcher is on the job's PATH: locally by lookup, on Slurm by an srun probe (here a fake srun
+that runs the probe's script on this machine; the real one: test_cluster_preflight_slurm.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from posttrain.cluster import ConfigError, KubernetesConfig, LocalConfig, SlurmConfig
+from posttrain.cluster import preflight
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    return {"base_model": tmp_path / "model", "dataset": tmp_path / "prompts.jsonl", "shared_dir": tmp_path / "shared"}
+
+
+def _paths(inputs: dict[str, Path], **change: str) -> dict:
+    kinds = {"base_model": "folder", "dataset": "file", "shared_dir": "folder to create"}
+    return {k: (change.get(k, str(v)), kinds[k]) for k, v in inputs.items()}
+
+
+CONFIGS = [LocalConfig(), SlurmConfig(shared_dir="/mnt/shared")]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["local", "slurm"])
+def test_present_paths_pass_and_a_shared_dir_to_create_may_be_missing(config, inputs):
+    preflight.check_paths(config, _paths(inputs))
+
+
+@pytest.mark.parametrize(("config", "where"), [(CONFIGS[0], "checked on this machine, where the job runs"),
+                                               (CONFIGS[1], "checked on this login node, which sees the cluster's "
+                                                            "shared storage")], ids=["local", "slurm"])
+@pytest.mark.parametrize(("change", "message"), [
+    ({"base_model": "/models/does-not-exist"}, "base_model: /models/does-not-exist does not exist"),
+    ({"dataset": "/data/missing.jsonl"}, "dataset: /data/missing.jsonl does not exist"),
+    ({"shared_dir": "/mnt/shraed/posttrain"}, "shared_dir: /mnt/shraed/posttrain does not exist, nor does its parent"),
+])  # fmt: skip
+def test_a_missing_path_is_one_line_naming_the_parameter(config, where, inputs, change, message):
+    with pytest.raises(ConfigError) as info:
+        preflight.check_paths(config, _paths(inputs, **change))
+    assert str(info.value).startswith(message) and str(info.value).endswith(f"({where})")
+    assert "\n" not in str(info.value)
+
+
+def test_a_folder_given_as_the_dataset_is_named(inputs):
+    with pytest.raises(ConfigError, match=r"^dataset: .* is not a file"):
+        preflight.check_paths(LocalConfig(), _paths(inputs, dataset=str(inputs["base_model"])))
+
+
+def test_kubernetes_paths_are_not_checked_here(inputs):
+    # they live in the job's PVC, which the flow's machine does not mount
+    config = KubernetesConfig(namespace="ml", image="registry/posttrain:1", pvc="shared")
+    preflight.check_paths(config, _paths(inputs, base_model="/data/models/base"))
+
+
+def _program(folder: Path, name: str, body: str = "exit 0") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_local_launcher_found_on_the_jobs_path(tmp_path):
+    _program(tmp_path / "bin", "torchrun")
+    preflight.check_launcher(LocalConfig(launcher="torchrun", env={"PATH": str(tmp_path / "bin")}))
+
+
+def test_local_launcher_missing_is_named_before_the_job_starts(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^launcher: torchrun is not on the job's PATH on this machine"):
+        preflight.check_launcher(LocalConfig(launcher="torchrun", env={"PATH": str(tmp_path / "empty")}))
+    # launcher python starts the command as written: nothing to look up
+    preflight.check_launcher(LocalConfig(launcher="python", env={"PATH": str(tmp_path / "empty")}))
+
+
+def test_local_launcher_put_on_the_path_by_setup_commands(tmp_path):
+    _program(tmp_path / "venv" / "bin", "accelerate")
+    (tmp_path / "empty").mkdir()
+    config = LocalConfig(launcher="accelerate", env={"PATH": f"{tmp_path / 'empty'}:/usr/bin:/bin"},
+                         setup_commands=[f"export PATH={tmp_path / 'venv' / 'bin'}:$PATH"])
+    preflight.check_launcher(config)
+
+
+@pytest.fixture
+def fake_srun(tmp_path, monkeypatch):
+    """An srun that logs its arguments and runs the probe's script (its last argument) here."""
+    log = tmp_path / "srun.log"
+    _program(tmp_path / "fake", "srun", f'echo "${{*//$\'\\n\'/; }}" >> {log}\nexec bash -c "${{@: -1}}"')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'fake'}:/usr/bin:/bin")
+    monkeypatch.setattr(preflight, "_probed", {})
+    return log
+
+
+def test_slurm_probe_finds_the_launcher_once_per_cluster_settings(tmp_path, fake_srun):
+    _program(tmp_path / "venv", "torchrun")
+    config = SlurmConfig(shared_dir="/mnt/shared", partition="h100", account="ml", qos="high",
+                         setup_commands=[f"export PATH={tmp_path / 'venv'}:$PATH"])
+    preflight.check_launcher(config)
+    preflight.check_launcher(config.model_copy(update={"poll_interval_s": 5}))  # same cluster: no second probe
+    calls = fake_srun.read_text().splitlines()
+    assert len(calls) == 1
+    assert "--partition=h100 --account=ml --qos=high" in calls[0] and "--nodes=1 --ntasks=1 --time=1" in calls[0]
+
+
+def test_slurm_probe_missing_launcher_is_one_line_naming_the_partition(tmp_path, fake_srun):
+    config = SlurmConfig(shared_dir="/mnt/shared", partition="h100", env={"PATH": "/usr/bin:/bin"})
+    for _ in range(2):  # cached: the second check answers without a probe
+        with pytest.raises(ConfigError) as info:
+            preflight.check_launcher(config)
+        assert str(info.value).startswith("launcher: torchrun is not on the nodes' PATH (partition h100")
+        assert "\n" not in str(info.value)
+    assert len(fake_srun.read_text().splitlines()) == 1
+
+
+def test_slurm_probe_that_gets_no_allocation_checks_nothing(tmp_path, monkeypatch):
+    _program(tmp_path / "fake", "srun", 'echo "srun: error: Unable to allocate resources: Immediate" >&2; exit 1')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'fake'}:/usr/bin:/bin")
+    monkeypatch.setattr(preflight, "_probed", {})
+    note = preflight.check_launcher(SlurmConfig(shared_dir="/mnt/shared"))
+    assert note.startswith("launcher torchrun not checked: the srun probe failed") and "Unable to allocate" in note
+    assert preflight._probed == {}  # asked again next time
+
+
+def test_slurm_probe_runs_in_the_jobs_image_after_its_env():
+    config = SlurmConfig(shared_dir="/mnt/shared", image="/mnt/shared/img.sqsh", env={"NCCL_DEBUG": "INFO"},
+                         env_file="/mnt/shared/job.env", setup_commands=["module load cuda"])
+    argv = preflight.probe_command(config, "torchrun")
+    assert "--container-image=/mnt/shared/img.sqsh" in argv and "--container-mounts=/mnt/shared:/mnt/shared" in argv
+    script = argv[-1].splitlines()
+    assert script[:4] == ["set -a", "source /mnt/shared/job.env", "set +a", "export NCCL_DEBUG=INFO"]
+    assert script[4] == "module load cuda" and script[5].startswith("command -v torchrun ||")
+
+
+def test_kubernetes_launcher_is_the_images_business(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    preflight.check_launcher(KubernetesConfig(namespace="ml", image="registry/posttrain:1", pvc="shared"))
+
+
+def test_the_job_environment_path_is_what_the_local_backend_uses():
+    # the lookup must search the PATH the job gets: the submitter's Python folder first
+    from posttrain.cluster.local import LocalBackend
+    from posttrain.cluster.spec import JobSpec
+
+    env = LocalBackend(LocalConfig()).environment(JobSpec(name="x", command=["python"]))
+    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(os.sys.executable)

@@ -1,0 +1,50 @@
+"""The flows' start-of-run check of what the job reads (check-job-inputs): a base model path that
+does not exist fails the run before anything is submitted, naming the parameter; a launcher
+missing from the job's PATH names the cluster block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.cluster import KubernetesConfig, LocalConfig
+from posttrain.pipeline.blocks import KubernetesCluster, LocalCluster
+from posttrain.pipeline.tasks import blocks
+
+
+@pytest.fixture
+def run_inputs(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    return {"base_model": str(tmp_path / "model"), "dataset": str(tmp_path / "prompts.jsonl"),
+            "shared_dir": str(tmp_path / "shared")}
+
+
+def _cluster(monkeypatch, block) -> None:
+    monkeypatch.setattr(blocks, "load_block", lambda ref, what: block)
+
+
+def test_present_inputs_pass(monkeypatch, run_inputs):
+    _cluster(monkeypatch, LocalCluster())
+    blocks.check_job_inputs.fn("posttrain-local-cluster/default", **run_inputs)
+
+
+def test_a_base_model_path_that_does_not_exist_fails_naming_it(monkeypatch, run_inputs):
+    _cluster(monkeypatch, LocalCluster())
+    with pytest.raises(ValueError, match=r"^base_model: /shared/models/nope does not exist \(checked on this machine"):
+        blocks.check_job_inputs.fn("posttrain-local-cluster/default",
+                                   **{**run_inputs, "base_model": "/shared/models/nope"})
+
+
+def test_a_missing_launcher_names_the_cluster_block(monkeypatch, run_inputs, tmp_path):
+    (tmp_path / "empty").mkdir()
+    _cluster(monkeypatch, LocalCluster(settings=LocalConfig(launcher="torchrun", env={"PATH": str(tmp_path / "empty")})))
+    with pytest.raises(ValueError, match=r"^cluster posttrain-local-cluster/x: launcher: torchrun is not on the job's PATH"):
+        blocks.check_job_inputs.fn("posttrain-local-cluster/x", **run_inputs)
+
+
+def test_kubernetes_inputs_are_left_to_the_job(monkeypatch):
+    _cluster(monkeypatch, KubernetesCluster(settings=KubernetesConfig(namespace="ml", image="r/p:1", pvc="shared")))
+    blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default", base_model="/data/models/base",
+                               dataset="/data/prompts.jsonl", shared_dir="/data/posttrain")
