@@ -159,13 +159,17 @@ class RunSettings(BaseModel):
                          json_schema_extra=ABSOLUTE)
     shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.",
                             json_schema_extra=ABSOLUTE)
+    # The descriptions are markdown in the UI's run form, which drops "<...>" as HTML: no angle brackets.
     cluster: str = Field("posttrain-local-cluster/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
-                         description="Cluster block: <block-type-slug>/<name>.")
+                         description="Cluster block, by `block-type-slug/block-name` "
+                         "(e.g. `posttrain-slurm-cluster/sunk`), or a saved one picked by type.")
     store: str = Field("posttrain-object-store/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
-                       description="Object store block: <slug>/<name>.")
+                       description="Object store block, by `block-type-slug/block-name` "
+                       "(e.g. `posttrain-object-store/default`), or a saved one picked.")
     inference: str | None = Field(
         "posttrain-inference-deployment/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
-        description="Inference deployment block, or null for none.",
+        description="Inference deployment block, by `block-type-slug/block-name` "
+        "(e.g. `posttrain-inference-deployment/default`), or a saved one picked; null (None) for none.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
     lora: LoraGroup = Field(default_factory=LoraGroup, description="LoRA training and publishing.")
