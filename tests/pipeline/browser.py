@@ -114,14 +114,19 @@ class Browser:
         return out["result"].get("value")
 
     def wait_for(self, expression: str, timeout: float | None = None) -> Any:
-        """Poll a JavaScript expression until it is truthy; its value."""
+        """Poll a JavaScript expression until it is truthy; its value. An expression that throws (the
+        page is still loading: no body yet, or the navigation replaced the context) counts as false."""
         deadline = time.monotonic() + (timeout or self.timeout)
+        error = None
         while True:
-            value = self.js(expression)
+            try:
+                value = self.js(expression)
+            except RuntimeError as e:
+                value, error = None, e
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the page never satisfied: {expression}")
+                raise TimeoutError(f"the page never satisfied: {expression} (last error: {error})")
             time.sleep(0.2)
 
     def screenshot(self, path: str, *, full_page: bool = True) -> None:

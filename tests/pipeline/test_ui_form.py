@@ -33,15 +33,17 @@ from tests.pipeline.conftest import GRPO, REPO, SCRIPTS
 pytestmark = pytest.mark.slow
 
 K8S = "nightly-post-training/nightly-k8s"  # its cluster differs from the schema's default
+NO_CHROMIUM = "needs Chromium to render the Prefect UI (apt-get install chromium fonts-dejavu-core)"
+REQUIRED = os.environ.get("POSTTRAIN_REQUIRE_SERVICES") == "1"
+
+if chromium_path() is None and not REQUIRED:  # at collection: no Prefect server started for nothing
+    pytest.skip(NO_CHROMIUM, allow_module_level=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def chromium() -> None:
     if chromium_path() is None:
-        reason = "needs Chromium to render the Prefect UI (apt-get install chromium fonts-dejavu-core)"
-        if os.environ.get("POSTTRAIN_REQUIRE_SERVICES") == "1":
-            pytest.fail(f"POSTTRAIN_REQUIRE_SERVICES=1 but this {reason}", pytrace=False)
-        pytest.skip(reason)
+        pytest.fail(f"POSTTRAIN_REQUIRE_SERVICES=1 but this {NO_CHROMIUM}", pytrace=False)
 
 
 @dataclass
