@@ -15,7 +15,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, get_args
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -79,13 +79,27 @@ def to_parameters(settings: BaseModel) -> dict[str, Any]:
     return out
 
 
+def _block_annotation(field: FieldInfo, constraints: FieldInfo, blocks: tuple[type, ...]) -> Any:
+    """A block parameter: its ``<slug>/<name>`` (the CLI's and the deployments' values), a saved block of
+    one of ``blocks`` (the UI form's picker sends a reference to it), or null where the setting allows none.
+
+    Flat ``anyOf`` members, the name first and titled: the UI's run form shows a tab per member (labelled
+    by its title, else its type) and opens the first one whose JSON ``type`` is the value's. A nested
+    ``anyOf`` (``str | None``) has no ``type``, so the form opened the block picker instead, empty, for a
+    value that names a block."""
+    named = copy.copy(constraints)
+    named.title = "by name"
+    optional = type(None) in get_args(field.annotation)
+    return Union[(Annotated[str, named], *blocks, *((type(None),) if optional else ()))]  # noqa: UP007
+
+
 def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     constraints = copy.copy(field)  # bounds, pattern, schema extras; the default goes on the parameter
     constraints.default, constraints.default_factory = PydanticUndefined, None
     default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
     annotation = Annotated[field.annotation, constraints]
-    if name in BLOCK_PARAMETERS:  # a saved block (the UI form's picker) or its <slug>/<name>
-        annotation = Union[(*BLOCK_PARAMETERS[name], annotation)]  # noqa: UP007
+    if name in BLOCK_PARAMETERS:
+        annotation = _block_annotation(field, constraints, BLOCK_PARAMETERS[name])
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 

@@ -159,13 +159,17 @@ class RunSettings(BaseModel):
                          json_schema_extra=ABSOLUTE)
     shared_dir: str = Field(description="Absolute folder on storage the cluster and the flow both see.",
                             json_schema_extra=ABSOLUTE)
+    # The descriptions are markdown in the UI's run form, which drops "<...>" as HTML: no angle brackets.
     cluster: str = Field("posttrain-local-cluster/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
-                         description="Cluster block: <block-type-slug>/<name>.")
+                         description="Cluster block, by `block-type-slug/block-name` "
+                         "(e.g. `posttrain-slurm-cluster/sunk`), or a saved one picked by type.")
     store: str = Field("posttrain-object-store/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
-                       description="Object store block: <slug>/<name>.")
+                       description="Object store block, by `block-type-slug/block-name` "
+                       "(e.g. `posttrain-object-store/default`), or a saved one picked.")
     inference: str | None = Field(
         "posttrain-inference-deployment/default", pattern=BLOCK_REF, json_schema_extra=whole_value,
-        description="Inference deployment block, or null for none.",
+        description="Inference deployment block, by `block-type-slug/block-name` "
+        "(e.g. `posttrain-inference-deployment/default`), or a saved one picked; null (None) for none.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
     lora: LoraGroup = Field(default_factory=LoraGroup, description="LoRA training and publishing.")
@@ -193,8 +197,7 @@ class RunSettings(BaseModel):
     def for_flow_run(self, flow_run_id: str | None):
         """These settings with the run name made unique to one flow run (and stable across its
         retries): nightly runs of one deployment never share a run folder, a job or a chain."""
-        suffix = (flow_run_id or "").replace("-", "")[:8] or "local"
-        return self.model_copy(update={"run_name": f"{self.run_name}-{suffix}"})
+        return self.model_copy(update={"run_name": f"{self.run_name}-{run_suffix(flow_run_id)}"})
 
 
 class NightlySettings(RunSettings):
@@ -232,13 +235,21 @@ class GrpoSettings(RunSettings):
         return v
 
 
+def run_suffix(flow_run_id: object) -> str:
+    """A flow run's short id: the first 8 hex digits of its id ("local" outside a flow run)."""
+    return str(flow_run_id or "").replace("-", "")[:8] or "local"
+
+
 def flow_run_name() -> str:
-    """A flow run's name (the flows' ``flow_run_name``): the user-given run name and the day it was
-    scheduled for, e.g. ``nightly-2026-11-30``, rather than a random name."""
+    """A flow run's name (the flows' ``flow_run_name``): the user-given run name, the day it was
+    scheduled for and the run's short id, e.g. ``nightly-2026-11-30-0729d8b7`` for the run that works
+    in ``runs/nightly-0729d8b7`` (``for_flow_run``). The id tells apart the runs of one day (in the
+    artifact history, for a retry by name); a retry is the same flow run, with the same id and the
+    same expected start time, so the engine names it again the same."""
     from datetime import UTC, datetime
 
     from prefect.runtime import flow_run
 
     name = (flow_run.parameters or {}).get("run_name")
     when = flow_run.scheduled_start_time or datetime.now(UTC)
-    return f"{name or flow_run.flow_name}-{when:%Y-%m-%d}"
+    return f"{name or flow_run.flow_name}-{when:%Y-%m-%d}-{run_suffix(flow_run.id)}"

@@ -102,7 +102,9 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     second = wait_final(flow_run_id)
     assert second.state.is_completed(), f"{second.state_name}: {second.state.message}\n{process_worker.tail()}"
     assert second.id == first.id and second.run_count == 2
-    assert second.name.startswith(f"{RUN}-"), second.name
+    # Named for its run name, day and short id (that of its run folder), and the retry keeps the name.
+    assert first.name == f"{RUN}-{first.expected_start_time:%Y-%m-%d}-{name.removeprefix(RUN + '-')}", first.name
+    assert second.name == first.name
 
     # Its progress artifact: the first attempt's, updated in place to 100% (no stale copy).
     from prefect import get_client

@@ -5,6 +5,7 @@ name the parameter."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -153,3 +154,32 @@ def test_lora_group_is_flat_and_reaches_the_trainer():
         from_parameters(NightlySettings, {**NIGHTLY, "use_lora": True, "lora_publish": "both"})
     with pytest.raises(ParameterError, match="^r: "):
         from_parameters(NightlySettings, {**NIGHTLY, "r": 0})
+
+
+def test_block_parameters_open_the_run_form_on_their_name():
+    """The UI's run form shows a tab per ``anyOf`` member and opens the first whose JSON ``type`` is
+    the value's: a block's name (a string) is a flat string member, first and titled; a nested
+    ``anyOf`` (``str | None``) has no type, and the form showed an empty block picker instead."""
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+    from posttrain.pipeline.settings import BLOCK_PARAMETERS
+
+    for flow in (nightly_post_training, grpo):
+        properties = schema(flow)["properties"]
+        for name, blocks in BLOCK_PARAMETERS.items():
+            members = properties[name]["anyOf"]
+            assert all("anyOf" not in m for m in members), members
+            assert (members[0]["type"], members[0]["title"]) == ("string", "by name")
+            assert [m["$ref"].rsplit("/", 1)[1] for m in members[1:1 + len(blocks)]] == [b.__name__ for b in blocks]
+        assert properties["inference"]["anyOf"][-1] == {"type": "null"}  # none, on a tab of its own
+
+
+def test_descriptions_render_as_markdown_without_html():
+    """The run form renders each description as markdown, where "<name>" is an HTML tag and vanishes
+    (what it shows: tests/pipeline/test_ui_form.py)."""
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+
+    for flow in (nightly_post_training, grpo):
+        described = {k: p["description"] for k, p in schema(flow)["properties"].items()}
+        assert not {k: d for k, d in described.items() if re.search(r"<[A-Za-z/!?]", d)}

@@ -6,7 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
-from posttrain.pipeline.tasks.report import reward_curve_svg, size_column
+from posttrain.pipeline.tasks.report import reward_curve_svg, round_table_rows, size_column
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -41,3 +41,20 @@ def test_size_column_is_a_ratio_for_deltas_only():
     delta = SimpleNamespace(kind="delta", stored_bytes=120, raw_bytes=1000)
     assert size_column(full) == "full"
     assert re.fullmatch(r"12\.00", size_column(delta))
+
+
+def round_row(r: int, identity: str) -> dict:
+    """A row of the GRPO flow's rounds (its result's ``rounds``)."""
+    return {"round": r, "policy version": r, "samples": 16, "reward mean": 0.4375, "reward std": 0.4961,
+            "shard spread": 0.0625, "snapshot": identity, "kind": "delta" if r else "full",
+            "delta % of full": "12.34" if r else "full", "publish s": 1.23, "hot-load s": 0.45, "round s": 12.34}
+
+
+def test_the_rounds_table_shows_a_short_snapshot_and_every_other_value():
+    identity = "step-00000001-" + "9f2c41d0" + "ab" * 12
+    (shown,) = round_table_rows([round_row(1, identity)])
+    assert shown["snapshot"] == "9f2c41d0"
+    assert list(shown) == ["round", "samples", "reward", "std", "spread", "snapshot", "% of full", "publish s",
+                           "hot-load s", "round s"]
+    assert [v for k, v in shown.items() if k != "snapshot"] == [1, 16, 0.4375, 0.4961, 0.0625, "12.34", 1.23, 0.45,
+                                                                12.34]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from posttrain.pipeline.settings import GrpoSettings, NightlySettings
+from posttrain.pipeline.settings import GrpoSettings, NightlySettings, flow_run_name
 from posttrain.pipeline.tasks.retry import is_transient
 from posttrain.rollouts.client import CompletionsError, CompletionsUnavailable
 from posttrain.rollouts.rounds import pooled_rewards, round_prompts, shard_specs
@@ -48,6 +49,28 @@ def test_for_flow_run_gives_each_run_its_own_name():
     a, b = s.for_flow_run("0729d8b7-1111-2222"), s.for_flow_run("ffee0000-1111-2222")
     assert a.run_name == "nightly-0729d8b7" and a.run_dir == Path("/shared/runs/nightly-0729d8b7")
     assert b.run_dir != a.run_dir and s.for_flow_run("0729d8b7-1111-2222") == a
+
+
+def _named(monkeypatch, flow_run_id: str, scheduled: datetime, run_name: str = "nightly") -> str:
+    """flow_run_name() as the engine calls it in a flow run of this id, start time and run name."""
+    from prefect.runtime import flow_run
+
+    for attr, value in (("id", flow_run_id), ("scheduled_start_time", scheduled),
+                        ("parameters", {**BASE, "run_name": run_name}), ("flow_name", "nightly-post-training")):
+        monkeypatch.setattr(flow_run, attr, value, raising=False)
+    return flow_run_name()
+
+
+def test_flow_run_names_tell_the_runs_of_a_day_apart_and_match_their_run_folders(monkeypatch):
+    day = datetime(2026, 12, 1, 2, 0, tzinfo=UTC)
+    first = _named(monkeypatch, "0729d8b7-1111-2222-3333-444455556666", day)
+    second = _named(monkeypatch, "ffee0000-1111-2222-3333-444455556666", day.replace(hour=9))
+    assert (first, second) == ("nightly-2026-12-01-0729d8b7", "nightly-2026-12-01-ffee0000")
+    # the short id is the one of the run's folder and jobs
+    folder = NightlySettings(**BASE, trainer=TRAINER).for_flow_run("0729d8b7-1111-2222-3333-444455556666").run_dir
+    assert folder.name == "nightly-0729d8b7" and first.endswith(folder.name.removeprefix("nightly"))
+    # a retry is the same flow run (id, expected start): named again, later, it keeps its name
+    assert _named(monkeypatch, "0729d8b7-1111-2222-3333-444455556666", day) == first
 
 
 def test_round_prompts_wrap_and_shards_cover_them(tmp_path):

@@ -55,12 +55,36 @@ def _upsert(key: str, kind: str, data: object, description: str, create: Callabl
     return artifact_id
 
 
+def short_identity(identity: str) -> str:
+    """A snapshot identity as a table shows it: the first 8 hex digits of its hash
+    (``step-00000003-9f2c41d0...`` shows ``9f2c41d0``)."""
+    return identity.rsplit("-", 1)[-1][:8]
+
+
+# The rounds table's columns (the GRPO flow's row keys) and their headers. Prefect's artifact page
+# gives a table about 840 px in a 1400 px window and cuts off what is wider: short headers, the
+# snapshot's short form (a full identity alone took 420 px), no "policy version" (the round's
+# number) and no "kind" (the size column says "full" for a full snapshot).
+ROUND_COLUMNS = {"round": "round", "samples": "samples", "reward mean": "reward", "reward std": "std",
+                 "shard spread": "spread", "snapshot": "snapshot", "delta % of full": "% of full",
+                 "publish s": "publish s", "hot-load s": "hot-load s", "round s": "round s"}
+
+
+def round_table_rows(rows: list[dict]) -> list[dict]:
+    """The rounds table as the artifact shows it; the flow's result keeps the full rows."""
+    return [{header: short_identity(row[key]) if key == "snapshot" else row[key]
+             for key, header in ROUND_COLUMNS.items()} for row in rows]
+
+
 def round_table(run_name: str, rows: list[dict]) -> None:
     key = artifact_key(run_name, "rounds")
-    description = ("GRPO rounds: rewards, samples, policy version, snapshot kind and delta size, publish and "
-                   "hot-load seconds")
-    _upsert(key, "table", json.dumps(rows), description,
-            lambda: create_table_artifact(rows, key=key, description=description))
+    description = ("GRPO rounds (the round is its rollouts' policy version): reward mean and std over the round's "
+                   "samples, the std of the shards' means, the snapshot published (its hash's first 8 hex digits; "
+                   "the full identity is in the run's logs, events and result), its size (a delta's % of the full "
+                   "weights, or full), publish, hot-load and round seconds")
+    shown = round_table_rows(rows)
+    _upsert(key, "table", json.dumps(shown), description,
+            lambda: create_table_artifact(shown, key=key, description=description))
 
 
 def snapshots_table(run_name: str, rows: list[dict]) -> None:
