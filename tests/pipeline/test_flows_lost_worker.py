@@ -63,26 +63,29 @@ def _wait_logged(flow_run_id: str, line: str, timeout: float = 30) -> None:
         time.sleep(1)
 
 
-@pytest.mark.timeout(540)
+@pytest.mark.timeout(600)
 @pytest.mark.usefixtures("slurm_cluster", "quick_crash")
 def test_a_lost_worker_is_recovered_from_the_cli_and_the_retries_find_their_jobs(process_worker, tiny_setup):
+    # A GRPO run of three rounds (each round's training step runs locally), then a nightly run on Slurm
+    # that trains for ages (it is cancelled once recovered): both are mid-run when the worker is lost.
+    grpo_id, grpo_job = start_until_submitted(
+        tiny_setup, process_worker, GRPO, "flows-lost-local", tiny_setup.grpo_settings("flows-lost-local", rounds=3),
+        "rounds/0000/train-job.json")
     slurm = _slurm_block(tiny_setup, "flows-lost-worker")
     nightly_id, nightly_job = start_until_submitted(
         tiny_setup, process_worker, NIGHTLY, "flows-lost-slurm",
         # no hot-loads: the GRPO run samples from the one inference server meanwhile
-        # long enough to be training still when the worker is lost
-        tiny_setup.settings("flows-lost-slurm", cluster=slurm, inference=None, max_steps=400, save_steps=100),
+        tiny_setup.settings("flows-lost-slurm", cluster=slurm, inference=None, max_steps=100_000, save_steps=50),
         "training-job.json")
-    grpo_id, grpo_job = start_until_submitted(
-        tiny_setup, process_worker, GRPO, "flows-lost-local", tiny_setup.grpo_settings("flows-lost-local"),
-        "rounds/0000/train-job.json")
     assert (nightly_job.backend, grpo_job.backend) == ("slurm", "local")
 
-    process_worker.lose()  # the worker and both flow runs' processes: the jobs go on
-    assert read_flow_run(nightly_id).state.is_running() and read_flow_run(grpo_id).state.is_running()
-    refused = prefect_cli("flow-run", "retry", nightly_id)  # what the user met before: Running, not retryable
-    assert refused.returncode != 0
-    process_worker.restart()
+    process_worker.lose()  # the worker and both flow runs' processes, at once: the jobs go on
+    try:
+        assert read_flow_run(nightly_id).state.is_running() and read_flow_run(grpo_id).state.is_running()
+        refused = prefect_cli("flow-run", "retry", nightly_id)  # what the user met: Running, not retryable
+        assert refused.returncode != 0 and "cannot be retried" in refused.stdout + refused.stderr
+    finally:
+        process_worker.restart()  # whatever happens here, the tests after this one need a worker
 
     waited = [_wait_crashed(flow_run_id, TIMEOUT_S + 30 + 60) for flow_run_id in (nightly_id, grpo_id)]
     crashed = read_flow_run(nightly_id).state
@@ -93,12 +96,14 @@ def test_a_lost_worker_is_recovered_from_the_cli_and_the_retries_find_their_jobs
         assert retry.returncode == 0, retry.stdout + retry.stderr
     for flow_run_id, run, marker, job in ((nightly_id, "flows-lost-slurm", "training-job.json", nightly_job),
                                           (grpo_id, "flows-lost-local", "rounds/0000/train-job.json", grpo_job)):
-        final = wait_final(flow_run_id, timeout=300)
-        assert final.state.is_completed(), f"{final.state_name}: {final.state.message}\n{process_worker.tail()}"
+        _wait_logged(flow_run_id, f"training job {job.job_id} was submitted before", timeout=120)
         again = JobRecord.model_validate_json((run_folder(tiny_setup, run, flow_run_id) / marker).read_text())
         assert again == job  # the same job: found, not submitted again
-        _wait_logged(flow_run_id, f"training job {job.job_id} was submitted before")
+    final = wait_final(grpo_id, timeout=300)
+    assert final.state.is_completed(), f"{final.state_name}: {final.state.message}\n{process_worker.tail()}"
+    assert prefect_cli("flow-run", "cancel", nightly_id).returncode == 0  # the nightly trains for ages: stop it
+    assert wait_final(nightly_id, timeout=120).state.is_cancelled()
     sacct = subprocess.run(["sacct", "-X", "-n", "-P", "--name", nightly_job.name, "-o", "JobID,State"],
                            capture_output=True, text=True, timeout=20).stdout.split()
-    assert [line.split("|")[0] for line in sacct] == [nightly_job.job_id], sacct
+    assert [line.split("|")[0] for line in sacct] == [nightly_job.job_id], sacct  # one job, ever
     print(f"Crashed {waited[0]:.0f} s and {waited[1]:.0f} s after the worker was lost")
