@@ -85,22 +85,22 @@ def test_local_failure_exits_1_with_the_reason(tmp_path, capsys) -> None:
     assert "ended FAILED" in err and "failing at step 1 as asked" in err
 
 
-def _readme_submit_example() -> dict:
-    """The submit file the README shows after "posttrain submit runs any command as a job"."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("`posttrain submit` runs any command as a job", 1)[1]
+def _documented_submit_example() -> dict:
+    """The submit file docs/commands.md shows after "posttrain submit runs any command as a job"."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "commands.md").read_text()
+    section = page.split("`posttrain submit` runs any command as a job", 1)[1]
     return yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
 
 
-def test_the_readme_submit_example_renders_as_written(tmp_path, capsys, no_contact) -> None:
-    doc = _readme_submit_example()
+def test_the_documented_submit_example_renders_as_written(tmp_path, capsys, no_contact) -> None:
+    doc = _documented_submit_example()
     (tmp_path / "trainer.yaml").write_text("learning_rate: 1.0e-6\n")
     assert main(["submit", _write(tmp_path, doc), "--dry-run"]) == 0
     assert "torchrun --nnodes=2" in capsys.readouterr().out
 
 
 def test_a_slurm_cluster_without_image_runs_on_the_nodes_own_environment(tmp_path, capsys, no_contact) -> None:
-    doc = _readme_submit_example()
+    doc = _documented_submit_example()
     del doc["cluster"]["image"]
     (tmp_path / "trainer.yaml").write_text("x: 1\n")
     assert main(["submit", _write(tmp_path, doc), "--dry-run"]) == 0
@@ -113,9 +113,9 @@ def test_a_slurm_cluster_without_image_runs_on_the_nodes_own_environment(tmp_pat
     ({"launcher_args": ["--no-python"]}, "--no-python bash run.sh"),
     ({"launcher": "accelerate", "launcher_args": ["--no_python"]}, "--no_python bash run.sh"),
 ])  # fmt: skip
-def test_any_program_runs_with_the_launcher_rules_the_readme_gives(tmp_path, capsys, no_contact, cluster,
-                                                                   expected) -> None:
-    doc = _readme_submit_example()
+def test_any_program_runs_with_the_launcher_rules_the_docs_give(tmp_path, capsys, no_contact, cluster,
+                                                                 expected) -> None:
+    doc = _documented_submit_example()
     doc["cluster"].update(cluster)
     doc["job"] = {"name": "any", "command": ["bash", "run.sh"]}
     assert main(["submit", _write(tmp_path, doc), "--dry-run"]) == 0
@@ -123,7 +123,7 @@ def test_any_program_runs_with_the_launcher_rules_the_readme_gives(tmp_path, cap
 
 
 def test_another_program_under_torchrun_is_refused_with_the_ways_out(tmp_path, capsys, no_contact) -> None:
-    doc = _readme_submit_example()
+    doc = _documented_submit_example()
     doc["job"] = {"name": "any", "command": ["bash", "run.sh"]}
     assert main(["submit", _write(tmp_path, doc), "--dry-run"]) == 2
     err = capsys.readouterr().err
