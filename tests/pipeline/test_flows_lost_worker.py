@@ -66,10 +66,10 @@ def _wait_logged(flow_run_id: str, line: str, timeout: float = 30) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("slurm_cluster", "quick_crash")
 def test_a_lost_worker_is_recovered_from_the_cli_and_the_retries_find_their_jobs(process_worker, tiny_setup):
-    # A GRPO run of three rounds (each round's training step runs locally), then a nightly run on Slurm
+    # A GRPO run of two rounds (each round's training step runs locally), then a nightly run on Slurm
     # that trains for ages (it is cancelled once recovered): both are mid-run when the worker is lost.
     grpo_id, grpo_job = start_until_submitted(
-        tiny_setup, process_worker, GRPO, "flows-lost-local", tiny_setup.grpo_settings("flows-lost-local", rounds=3),
+        tiny_setup, process_worker, GRPO, "flows-lost-local", tiny_setup.grpo_settings("flows-lost-local", rounds=2),
         "rounds/0000/train-job.json")
     slurm = _slurm_block(tiny_setup, "flows-lost-worker")
     nightly_id, nightly_job = start_until_submitted(
@@ -83,7 +83,7 @@ def test_a_lost_worker_is_recovered_from_the_cli_and_the_retries_find_their_jobs
     try:
         assert read_flow_run(nightly_id).state.is_running() and read_flow_run(grpo_id).state.is_running()
         refused = prefect_cli("flow-run", "retry", nightly_id)  # what the user met: Running, not retryable
-        assert refused.returncode != 0 and "cannot be retried" in refused.stdout + refused.stderr
+        assert refused.returncode != 0 and "'RUNNING'" in refused.stdout + refused.stderr
     finally:
         process_worker.restart()  # whatever happens here, the tests after this one need a worker
 
@@ -104,6 +104,6 @@ def test_a_lost_worker_is_recovered_from_the_cli_and_the_retries_find_their_jobs
     assert prefect_cli("flow-run", "cancel", nightly_id).returncode == 0  # the nightly trains for ages: stop it
     assert wait_final(nightly_id, timeout=120).state.is_cancelled()
     sacct = subprocess.run(["sacct", "-X", "-n", "-P", "--name", nightly_job.name, "-o", "JobID,State"],
-                           capture_output=True, text=True, timeout=20).stdout.split()
+                           capture_output=True, text=True, timeout=20).stdout.splitlines()
     assert [line.split("|")[0] for line in sacct] == [nightly_job.job_id], sacct  # one job, ever
     print(f"Crashed {waited[0]:.0f} s and {waited[1]:.0f} s after the worker was lost")
