@@ -64,7 +64,7 @@ say "ok: a PREFECT_API_URL where nothing answers is one line"
 PREFECT_PORT="$PORT" POSTTRAIN_PREFECT_DIR="$DIR/prefect" POSTTRAIN_BIN_DIR="$(dirname "$PY")" \
   bash scripts/services/start-prefect.sh >"$DIR/prefect-start.log" 2>&1 || fail "Prefect server: $(tail -5 "$DIR/prefect-start.log")"
 export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
-"$PY" -m posttrain prefect-setup --no-kubernetes-pool >"$DIR/setup.log" 2>&1 || fail "prefect-setup: $(cat "$DIR/setup.log")"
+"$PY" -m posttrain prefect-setup >"$DIR/setup.log" 2>&1 || fail "prefect-setup: $(cat "$DIR/setup.log")"
 grep -q "automation: posttrain-crash-unresponsive-runs" "$DIR/setup.log" || fail "no lost-worker automation: $(cat "$DIR/setup.log")"
 say "ok: server on port $PORT; $(tr '\n' ';' < "$DIR/setup.log")"
 
