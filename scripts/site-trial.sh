@@ -159,7 +159,7 @@ say "ok: a cancelled run stopped its trainer and is Cancelled"
 
 # 7. the chain the runs published
 "$PY" -m posttrain chain inspect "$DIR/store" >"$DIR/inspect.log" 2>&1 || fail "chain inspect: $(cat "$DIR/inspect.log")"
-grep -q "100.00 %" "$DIR/inspect.log" || fail "chain inspect: no full snapshot at 100 % of full: $(cat "$DIR/inspect.log")"
+grep -qE "│ full .*│ +100\.00 │" "$DIR/inspect.log" || fail "chain inspect: no full snapshot at 100 % of full: $(cat "$DIR/inspect.log")"
 "$PY" -m posttrain chain verify "$DIR/store" >"$DIR/verify.log" 2>&1 || fail "chain verify: $(cat "$DIR/verify.log")"
 say "ok: chain inspect and verify"
 say "PASSED in $SECONDS s ($DIR)"
