@@ -25,6 +25,9 @@ DIR="${TRIAL_DIR:-$(mktemp -d /tmp/posttrain-site-trial-XXXXXX)}"
 mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+# its own server on SQLite, whatever the caller's environment (the test suite's names PostgreSQL)
+export POSTTRAIN_PREFECT_DB=sqlite
+unset PREFECT_API_URL PREFECT_PORT POSTTRAIN_PREFECT_DIR
 
 say() { printf '[site-trial] %s\n' "$*"; }
 fail() { printf '[site-trial] FAILED: %s\n' "$*" >&2; exit 1; }
