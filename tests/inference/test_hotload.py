@@ -25,17 +25,7 @@ from posttrain.inference.protocol import (
     TYPE_FULL,
     TYPE_INCREMENTAL,
 )
-from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN, Api
-
-
-def _wait_state(api: Api, op_id: str, timeout: float = 20) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        op = api.get(f"{API_PREFIX}/{op_id}").json()["hotLoad"]
-        if op["status"]["state"] in (STATE_COMPLETED, STATE_FAILED):
-            return op
-        time.sleep(0.05)
-    raise AssertionError(f"{op_id} did not finish")
+from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN, Api, wait_op
 
 
 def _replica_identities(api: Api, op_id: str) -> list[str]:

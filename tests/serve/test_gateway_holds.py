@@ -14,7 +14,7 @@ import requests
 from posttrain.inference.protocol import API_PREFIX, STATE_COMPLETED, STATE_FAILED, TYPE_FULL
 from posttrain.serve.server import ServeStartError
 from posttrain.testing.fake_sglang import FakeSGLang
-from tests.support.serving import DEPLOYMENT, FORBIDDEN, PROMPT, Api, start_server
+from tests.support.serving import DEPLOYMENT, FORBIDDEN, PROMPT, Api, start_server, wait_op
 
 INTERVAL = 0.5  # the gateway's probe interval in these tests
 
@@ -46,16 +46,6 @@ def _create(api: Api, identity: str, kind: str = TYPE_FULL) -> dict:
                                        "hotLoadId": str(uuid.uuid4())})
     assert reply.status_code == 200, reply.text
     return reply.json()["hotLoad"]
-
-
-def _wait_op(api: Api, op_id: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        op = api.get(f"{API_PREFIX}/{op_id}").json()["hotLoad"]
-        if op["status"]["state"] in (STATE_COMPLETED, STATE_FAILED):
-            return op
-        time.sleep(0.05)
-    raise AssertionError(f"hot-load {op_id} did not finish: {op}")
 
 
 def _replicas(api: Api, op_id: str) -> list[dict]:
@@ -108,7 +98,7 @@ def test_a_hot_load_of_the_served_version_puts_back_a_replica_on_other_weights(c
     port = int(fake.url.rsplit(":", 1)[1])
     fake.die()
     restarted = _fake(chain, running, port)
-    op = _wait_op(api, _create(api, chain.full)["spec"]["id"])  # the same identity again
+    op = wait_op(api, _create(api, chain.full)["spec"]["id"])  # the same identity again
     assert op["status"]["state"] == STATE_COMPLETED
     assert restarted.weight_version == version  # reloaded, not "COMPLETED in 0.01 s reloading nothing"
     assert api.complete(prompt=PROMPT, max_tokens=2)["weight_version"] == version
@@ -198,7 +188,7 @@ def test_two_servers_cannot_share_a_work_dir(chain, tmp_path, running):
 def test_an_identity_too_long_for_a_folder_name_fails_its_hot_load_and_the_next_one_runs(chain, server,
                                                                                           make_client):
     api = Api(server.url)
-    op = _wait_op(api, _create(api, "x" * 255)["spec"]["id"])  # 255 characters: allowed, and not in the store
+    op = wait_op(api, _create(api, "x" * 255)["spec"]["id"])  # 255 characters: allowed, and not in the store
     assert op["status"]["state"] == STATE_FAILED  # not RUNNING forever, blocking every later create
     assert "x" * 255 in op["status"]["conditions"][0]["message"]
     assert make_client(server).hot_load(chain.full).state == STATE_COMPLETED

@@ -194,3 +194,18 @@ FORBIDDEN = [
     ({"no_such_field": 1}, "no_such_field"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
 ]
+
+
+def wait_op(api: Api, op_id: str, timeout: float = 30) -> dict:
+    """The hot-load operation ``op_id`` once it is COMPLETED or FAILED."""
+    import time
+
+    from posttrain.inference.protocol import API_PREFIX, STATE_COMPLETED, STATE_FAILED
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        op = api.get(f"{API_PREFIX}/{op_id}").json()["hotLoad"]
+        if op["status"]["state"] in (STATE_COMPLETED, STATE_FAILED):
+            return op
+        time.sleep(0.05)
+    raise AssertionError(f"hot-load {op_id} did not finish in {timeout} s")
