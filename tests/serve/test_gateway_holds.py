@@ -229,3 +229,16 @@ def test_tiny_temperature_or_top_p_samples_the_most_likely_token(server, chain, 
     reply = Api(server.url).complete(prompt=PROMPT, max_tokens=8, seed=1, **controls)
     assert reply["choices"][0]["token_ids"] == chain.greedy[0]
     assert all(lp == lp for lp in reply["choices"][0]["logprobs"]["token_logprobs"])  # no NaN
+
+
+def test_a_255_character_identity_is_hot_loaded_and_served(chain, store_copy, make_server, make_client):
+    from posttrain.chain.ops import encode_snapshot
+    from tests.support.serving import PREFIX
+
+    identity = "v" * 255  # the longest the format allows: its rebuilt folder's name is shortened, not refused
+    encode_snapshot(chain.models[1], store_copy / PREFIX, identity=identity, step=1)
+    server = make_server(store=store_copy)
+    assert make_client(server).hot_load(identity).state == STATE_COMPLETED
+    api = Api(server.url)
+    assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] == identity
+    assert api.greedy() == chain.greedy[1]
