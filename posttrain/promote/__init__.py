@@ -5,5 +5,7 @@ flows and the ``posttrain rollback`` command build on them (docs/promotion.md)."
 from __future__ import annotations
 
 from posttrain.promote.decision import Decision, GateConfig, GateError, decide, first_promotion
+from posttrain.promote.history import History, HistoryConflict, HistoryError, Record
 
-__all__ = ["Decision", "GateConfig", "GateError", "decide", "first_promotion"]
+__all__ = ["Decision", "GateConfig", "GateError", "History", "HistoryConflict", "HistoryError", "Record", "decide",
+           "first_promotion"]

@@ -125,8 +125,8 @@ class Decision(BaseModel):
         def num(x: float | None, iv: Interval | None = None, signed: bool = False) -> str:
             if x is None:
                 return "-"
-            text = f"{x:+.3f}" if signed else f"{x:.3f}"
-            return text + (f" [{iv[0]:+.3f}, {iv[1]:+.3f}]" if signed else f" [{iv[0]:.3f}, {iv[1]:.3f}]") if iv else text
+            fmt = "{:+.3f}" if signed else "{:.3f}"
+            return fmt.format(x) + (f" [{fmt.format(iv[0])}, {fmt.format(iv[1])}]" if iv else "")
 
         rows = [
             ("Decision", "accepted" if self.accepted else "refused"),
@@ -174,7 +174,8 @@ def decide(config: GateConfig, candidate_rewards: Rewards | None, champion_rewar
     bound = (f"margin {config.margin:g}" if config.rule == "superiority" else f"-margin {-config.margin:+g}")
     reason = (f"{'accepted' if accepted else 'refused'}: the candidate's mean reward is {c.mean():.3f} vs the "
               f"champion's {h.mean():.3f} over {len(ids)} prompts x {config.samples_per_prompt} samples; the "
-              f"{config.confidence * 100:g}% lower bound of the difference is {lower:+.3f} {sign} {bound} ({config.rule})")
+              f"{config.confidence * 100:g}% lower bound of the difference is {lower:+.3f} {sign} {bound} "
+              f"({config.rule})")
     return Decision(
         **{**base, "accepted": accepted}, reason=reason, prompts=len(ids),
         candidate_mean=float(c.mean()), champion_mean=float(h.mean()), difference=float((c - h).mean()),

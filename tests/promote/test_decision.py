@@ -143,7 +143,8 @@ def test_different_prompt_sets_are_an_error_naming_the_prompts() -> None:
         decide(GateConfig(), cand, champ)
     assert one_line(str(e.value)) == (
         "the candidate and the champion were evaluated on different prompts: only the candidate has 1 "
-        "('prompt-003'); only the champion has 1 ('prompt-extra'); the paired test needs the same prompts on both sides")
+        "('prompt-003'); only the champion has 1 ('prompt-extra'); the paired test needs the same prompts on both "
+        "sides")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
