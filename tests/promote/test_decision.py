@@ -1,0 +1,218 @@
+"""The gate's decision rule: paired bootstrap of per-prompt mean rewards, one-sided lower bound."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from posttrain.errors import describe_validation_error
+from posttrain.promote import decision as gate
+from posttrain.promote.decision import Decision, GateConfig, GateError, decide, first_promotion
+
+
+def eval_rewards(rng: np.random.Generator, skill: np.ndarray, n: int) -> dict[str, list[float]]:
+    """n Bernoulli rewards per prompt; ``skill`` is each prompt's success probability."""
+    return {f"prompt-{i:03d}": rng.binomial(1, np.clip(p, 0, 1), n).astype(float).tolist()
+            for i, p in enumerate(skill)}
+
+
+def pair(seed: int, k: int, n: int, lift: float) -> tuple[dict, dict]:
+    """Champion and candidate rewards on the same k prompts; the candidate's skill is ``lift`` higher."""
+    rng = np.random.default_rng(seed)
+    skill = rng.uniform(0.2, 0.8, k)  # prompts differ in difficulty: the pairing removes that variance
+    return eval_rewards(rng, skill + lift, n), eval_rewards(rng, skill, n)
+
+
+def one_line(message: str) -> str:
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_clearly_better_candidate_is_accepted_under_superiority() -> None:
+    cand, champ = pair(1, k=40, n=4, lift=0.25)
+    d = decide(GateConfig(rule="superiority", margin=0.02), cand, champ, candidate="step-2", champion="step-1")
+    assert d.accepted and d.lower_bound > 0.02 and d.threshold == 0.02
+    assert d.candidate_mean > d.champion_mean and d.difference == pytest.approx(d.candidate_mean - d.champion_mean)
+    lo, hi = d.difference_interval
+    assert lo < d.difference < hi and lo <= d.lower_bound
+    assert (d.prompts, d.samples_per_prompt, d.candidate, d.champion) == (40, 4, "step-2", "step-1")
+    assert one_line(d.reason).startswith("accepted: the candidate's mean reward is ")
+    assert f"{d.lower_bound:+.3f} > margin 0.02 (superiority)" in d.reason
+
+
+def test_an_equal_candidate_is_refused_under_superiority_but_not_inferior_within_a_margin() -> None:
+    # the same rewards on both sides, and two independent evals of the same skill
+    same, _ = pair(2, k=60, n=4, lift=0.0)
+    cand, champ = pair(3, k=200, n=8, lift=0.0)
+    for c, h in ((same, same), (cand, champ)):
+        n = len(next(iter(c.values())))
+        sup = decide(GateConfig(rule="superiority", margin=0.0, samples_per_prompt=n), c, h)
+        ni = decide(GateConfig(rule="non-inferiority", margin=0.1, samples_per_prompt=n), c, h)
+        assert not sup.accepted and sup.reason.startswith("refused: ") and "(superiority)" in sup.reason
+        assert ni.accepted and ni.threshold == -0.1 and ni.lower_bound > -0.1
+        assert "> -margin -0.1 (non-inferiority)" in ni.reason
+    # identical sides: every resampled difference is 0, and a bound equal to the threshold is no proof
+    assert decide(GateConfig(), same, same).lower_bound == 0.0
+
+
+def test_a_worse_candidate_is_refused_under_both_rules() -> None:
+    cand, champ = pair(4, k=40, n=4, lift=-0.25)
+    for config in (GateConfig(rule="superiority"), GateConfig(rule="non-inferiority", margin=0.05)):
+        d = decide(config, cand, champ)
+        assert not d.accepted and d.lower_bound < -0.05 and d.reason.startswith("refused: ")
+
+
+def test_the_same_seed_gives_the_same_decision() -> None:
+    rng = np.random.default_rng(5)  # continuous rewards: two seeds' bounds fall on different values
+    cand, champ = ({f"p{i}": rng.uniform(0, 1, 2).tolist() for i in range(12)} for _ in range(2))
+    a = decide(GateConfig(seed=7, samples_per_prompt=2), cand, champ)
+    assert decide(GateConfig(seed=7, samples_per_prompt=2), dict(reversed(cand.items())), champ) == a  # any order
+    assert decide(GateConfig(seed=8, samples_per_prompt=2), cand, champ).lower_bound != a.lower_bound
+
+
+def test_the_lower_bound_is_the_bootstrap_quantile_computed_directly() -> None:
+    cand, champ = pair(6, k=10, n=3, lift=0.1)
+    config = GateConfig(seed=11, bootstrap_samples=5000, confidence=0.9, samples_per_prompt=3)
+    ids = sorted(cand)
+    d_i = np.array([np.mean(cand[p]) - np.mean(champ[p]) for p in ids])
+    idx = np.random.default_rng(11).integers(0, len(ids), size=(5000, len(ids)))
+    expected = np.quantile(d_i[idx].mean(axis=1), 0.1)
+    assert decide(config, cand, champ).lower_bound == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_lower_bound_matches_the_exact_bootstrap_distribution_of_a_tiny_example() -> None:
+    # three prompts, one sample each: the 27 equally likely resamples give the exact distribution
+    cand = {"a": [0.8], "b": [0.4], "c": [0.9]}
+    champ = {"a": [0.5], "b": [0.5], "c": [0.4]}  # differences +0.3, -0.1, +0.5
+    diffs = [0.3, -0.1, 0.5]
+    means = sorted(np.mean(r) for r in itertools.product(diffs, repeat=3))
+    exact = means[int(np.ceil(0.05 * 27)) - 1]  # the 5% quantile: the smallest mean (1/27 < 5%) is excluded
+    assert exact == pytest.approx(0.1 / 3)
+    config = GateConfig(min_prompts=2, samples_per_prompt=1, bootstrap_samples=200_000, seed=3)
+    d = decide(config, cand, champ)
+    assert d.lower_bound == pytest.approx(exact)
+    assert d.accepted  # +0.033 > 0
+    assert not decide(config.model_copy(update={"margin": 0.05}), cand, champ).accepted
+
+
+def test_drawing_the_resamples_in_chunks_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    cand, champ = pair(7, k=9, n=1, lift=0.1)
+    config = GateConfig(samples_per_prompt=1, bootstrap_samples=2000)
+    whole = decide(config, cand, champ)
+    monkeypatch.setattr(gate, "CHUNK_DRAWS", 50)  # 5 resamples a chunk
+    assert decide(config, cand, champ) == whole
+
+
+def test_under_no_true_difference_superiority_accepts_about_one_minus_confidence_of_the_time() -> None:
+    config = GateConfig(rule="superiority", margin=0.0, confidence=0.95, bootstrap_samples=2000)
+    accepted = sum(decide(config.model_copy(update={"seed": s}), *pair(1000 + s, k=30, n=4, lift=0.0)).accepted
+                   for s in range(200))
+    # 5% expected; the percentile bootstrap runs a little liberal on 30 prompts. Without the bound
+    # (accepting a higher mean) about half would pass.
+    assert accepted <= 0.09 * 200, accepted
+    powered = sum(decide(config.model_copy(update={"seed": s}), *pair(2000 + s, k=30, n=4, lift=0.2)).accepted
+                  for s in range(20))
+    assert powered >= 18, powered
+
+
+def test_too_few_prompts_is_a_refusal_naming_min_prompts() -> None:
+    cand, champ = pair(8, k=5, n=4, lift=0.5)
+    d = decide(GateConfig(min_prompts=8), cand, champ)
+    assert not d.accepted and d.prompts == 5 and d.lower_bound is None
+    assert one_line(d.reason) == "refused: too few eval prompts: 5 paired prompts, fewer than min_prompts 8"
+    assert not first_promotion(GateConfig(min_prompts=8), cand).accepted
+
+
+@pytest.mark.parametrize("side", ["candidate", "champion"])
+def test_zero_prompts_is_an_error(side: str) -> None:
+    cand, champ = pair(9, k=8, n=4, lift=0.0)
+    args = ({}, champ) if side == "candidate" else (cand, {})
+    with pytest.raises(GateError, match=f"zero eval prompts for the {side}: it needs at least min_prompts 8") as e:
+        decide(GateConfig(), *args)
+    one_line(str(e.value))
+
+
+def test_different_prompt_sets_are_an_error_naming_the_prompts() -> None:
+    cand, champ = pair(10, k=10, n=4, lift=0.0)
+    champ["prompt-extra"] = champ.pop("prompt-003")
+    with pytest.raises(GateError) as e:
+        decide(GateConfig(), cand, champ)
+    assert one_line(str(e.value)) == (
+        "the candidate and the champion were evaluated on different prompts: only the candidate has 1 "
+        "('prompt-003'); only the champion has 1 ('prompt-extra'); the paired test needs the same prompts on both "
+        "sides")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_reward_is_an_error_naming_the_prompt(bad: float) -> None:
+    cand, champ = pair(11, k=10, n=4, lift=0.0)
+    champ["prompt-004"][2] = bad
+    with pytest.raises(GateError, match=r"champion prompt 'prompt-004' has a non-finite reward \((nan|inf)\)") as e:
+        decide(GateConfig(), cand, champ)
+    one_line(str(e.value))
+
+
+def test_a_prompt_without_n_rewards_is_an_error_naming_samples_per_prompt() -> None:
+    cand, champ = pair(12, k=10, n=4, lift=0.0)
+    cand["prompt-001"] = cand["prompt-001"][:3]
+    with pytest.raises(GateError, match="candidate prompt 'prompt-001' has 3 rewards; samples_per_prompt is 4"):
+        decide(GateConfig(samples_per_prompt=4), cand, champ)
+
+
+@pytest.mark.parametrize("fields,setting", [
+    ({"margin": 1.5}, "margin"), ({"margin": -0.01}, "margin"), ({"margin": float("nan")}, "margin"),
+    ({"confidence": 0.5}, "confidence"), ({"confidence": 1.0}, "confidence"), ({"confidence": 0.3}, "confidence"),
+    ({"bootstrap_samples": 10}, "bootstrap_samples"), ({"min_prompts": 1}, "min_prompts"),
+    ({"samples_per_prompt": 0}, "samples_per_prompt"), ({"rule": "better"}, "rule"), ({"margins": 0.1}, "margins"),
+])
+def test_a_setting_out_of_range_is_a_one_line_error_naming_it(fields: dict, setting: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        GateConfig(**fields)
+    assert one_line(describe_validation_error(e.value)).startswith(f"{setting}: ")
+
+
+def test_a_confidence_the_bootstrap_cannot_resolve_names_bootstrap_samples() -> None:
+    with pytest.raises(ValidationError, match="raise bootstrap_samples to at least 10000") as e:
+        GateConfig(confidence=0.999, bootstrap_samples=5000)
+    one_line(describe_validation_error(e.value))
+    GateConfig(confidence=0.999, bootstrap_samples=10_000)
+
+
+def test_a_side_that_could_not_be_evaluated_is_refused() -> None:
+    cand, champ = pair(13, k=10, n=4, lift=0.5)
+    d = decide(GateConfig(), cand, None, champion="step-1")
+    assert not d.accepted and d.reason == ("refused: the champion step-1 could not be evaluated, so the candidate "
+                                           "cannot be compared")
+    assert not decide(GateConfig(), None, champ).accepted
+    assert "candidate could not be evaluated" in decide(GateConfig(), None, champ).reason
+
+
+def test_a_first_promotion_is_accepted_on_the_candidates_own_eval() -> None:
+    cand, _ = pair(14, k=10, n=4, lift=0.0)
+    d = first_promotion(GateConfig(), cand, candidate="step-1")
+    assert d.accepted and d.champion is None and d.champion_mean is None and d.lower_bound is None
+    assert d.reason.startswith("accepted: first promotion, the deployment has no champion to compare with; the "
+                               "candidate's own eval succeeded")
+    lo, hi = d.candidate_interval
+    assert lo <= d.candidate_mean <= hi
+    assert not first_promotion(GateConfig(), None).accepted
+    cand["prompt-000"][0] = float("nan")
+    with pytest.raises(GateError, match="prompt-000"):
+        first_promotion(GateConfig(), cand)
+
+
+def test_the_decision_round_trips_as_json_and_renders_as_a_table() -> None:
+    cand, champ = pair(15, k=16, n=4, lift=0.4)
+    d = decide(GateConfig(margin=0.02), cand, champ, candidate="step-2", champion="step-1")
+    assert Decision.from_json(d.to_json()) == d
+    data = json.loads(d.to_json())
+    assert data["accepted"] is True and data["rule"] == "superiority" and len(data["difference_interval"]) == 2
+    table = d.markdown_table().splitlines()
+    assert table[:3] == ["| | |", "|---|---|", "| Decision | accepted |"]
+    assert "| Champion | `step-1` |" in table and "| Prompts x samples | 16 x 4 |" in table
+    assert f"| 95% lower bound of the difference (one-sided) | {d.lower_bound:+.3f} > +0.020 (threshold) |" in table
+    assert table[-1] == f"| Reason | {d.reason} |"
