@@ -125,16 +125,18 @@ def plan_gc(store: Store, config: GcConfig, *, now: float | None = None) -> GcPl
     ledgers = {run: Ledger(store, run).entries() for run in run_names(store)}
     runs = sorted((RunSummary(run, max(e.published_at for e in es), len(es), False)
                    for run, es in ledgers.items() if es), key=lambda r: (r.newest, r.run), reverse=True)
+    cutoff = now - (config.keep_days or 0) * DAY
     for i, r in enumerate(runs):
-        r.kept = i < config.keep_runs if config.keep_runs is not None else r.newest >= now - (config.keep_days or 0) * DAY
+        r.kept = i < config.keep_runs if config.keep_runs is not None else r.newest >= cutoff
     owners: dict[str, list[LedgerEntry]] = {}
     for r in runs:
         for e in ledgers[r.run]:
             owners.setdefault(e.identity, []).append(e)
     for identity in sorted(config.protect):
-        if identity not in owners and not (IDENTITY_RE.fullmatch(identity) and store.exists(f"{identity}/{INDEX_NAME}")):
-            raise GcError(f"protect: {identity!r} is not a snapshot in {store.uri} (no run's ledger has it and it has "
-                          "no index): a typo? nothing was deleted")
+        if identity in owners or (IDENTITY_RE.fullmatch(identity) and store.exists(f"{identity}/{INDEX_NAME}")):
+            continue
+        raise GcError(f"protected identity {identity!r} is not a snapshot in {store.uri} (no run's ledger has "
+                      "it and it has no index): a typo? nothing was deleted")
     roots = set(config.protect) | {e.identity for r in runs if r.kept for e in ledgers[r.run]}
     protected: set[str] = set()
     for identity in roots:

@@ -189,7 +189,7 @@ def test_bad_input_is_refused_with_nothing_deleted(nightly):
             GcConfig(**kwargs)
     real = done.identities("night-0")[1]
     typo = real[:-1] + ("0" if real[-1] != "0" else "1")
-    with pytest.raises(GcError, match=rf"^protect: '{typo}' is not a snapshot in {store.uri} .*a typo\? "
+    with pytest.raises(GcError, match=rf"^protected identity '{typo}' is not a snapshot in {store.uri} .*a typo\? "
                                       "nothing was deleted$"):
         plan_gc(store, GcConfig(keep_runs=1, protect=[real, typo]))
     with pytest.raises(GcError, match="'../x' is not a snapshot"):
