@@ -40,7 +40,7 @@ from posttrain.chain.checkpoint import INDEX_NAME
 from posttrain.chain.errors import ChainError
 from posttrain.chain.policy import ChainHead
 from posttrain.publish.ledger import RUNS_PREFIX, check_run_name
-from posttrain.storage import NotFound, PreconditionFailed, Store
+from posttrain.storage import NotFound, PreconditionFailed, StorageError, Store
 
 PUBLISH_TTL = 6 * 3600.0  # longer than any one publish step (encode and upload of one checkpoint)
 GC_TTL = 600.0  # gc renews it before each snapshot it deletes
@@ -100,7 +100,8 @@ def publishing(store: Store, run: str, work_dir: Path, *, ttl: float = PUBLISH_T
             time.sleep(poll)
         yield
     finally:
-        store.delete([key])
+        with contextlib.suppress(StorageError):  # never hide the step's own error; a leftover lease expires
+            store.delete([key])
 
 
 class GcLease:

@@ -40,6 +40,7 @@ from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter, SnapshotRecord
 from posttrain.errors import describe_os_error, naming
 from posttrain.publish.content import checkpoint_content, head_content
+from posttrain.publish.lease import base_retired, publishing
 from posttrain.publish.ledger import (
     Latest,
     Ledger,
@@ -49,7 +50,6 @@ from posttrain.publish.ledger import (
     check_run_name,
     published_steps,
 )
-from posttrain.publish.lease import base_retired, publishing
 from posttrain.publish.lock import WorkDirLock
 from posttrain.publish.spool import promote_base, queued, spool_checkpoint, spool_name
 from posttrain.publish.transfer import retire_old_chains, upload_snapshot
