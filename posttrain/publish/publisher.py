@@ -17,7 +17,8 @@ job when it runs again, with no duplicate, missing or half-written version:
 
 A checkpoint submitted for a step that is claimed already is compared with the claim: the same
 weights are a no-op (retries rely on it), other weights an error. A step comes from the folder
-(``chain.ops.checkpoint_step``) unless given. One publisher works in a work folder at a time (``lock``).
+(``chain.ops.checkpoint_step``) unless given. One publisher works in a work folder at a time (``lock``);
+each step holds the run's publisher lease in the store, which keeps ``posttrain gc`` off the run (``lease``).
 
 ``Publisher.publish_step`` publishes one step and returns its snapshot, the one published before
 when it is redone; a publisher given ``owns_store=True`` closes its store when it is closed.
@@ -25,7 +26,6 @@ when it is redone; a publisher given ``owns_store=True`` closes its store when i
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 from collections.abc import Callable
@@ -40,6 +40,7 @@ from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter, SnapshotRecord
 from posttrain.errors import describe_os_error, naming
 from posttrain.publish.content import checkpoint_content, head_content
+from posttrain.publish.lease import base_retired, publishing
 from posttrain.publish.ledger import (
     Latest,
     Ledger,
@@ -50,7 +51,7 @@ from posttrain.publish.ledger import (
     published_steps,
 )
 from posttrain.publish.lock import WorkDirLock
-from posttrain.publish.spool import queued, spool_checkpoint, spool_name
+from posttrain.publish.spool import promote_base, queued, spool_checkpoint, spool_name
 from posttrain.publish.transfer import retire_old_chains, upload_snapshot
 from posttrain.storage import Store
 from posttrain.testing.crashpoints import crashpoint
@@ -310,12 +311,18 @@ class Publisher:
 
     def _publish_one(self, step: int, spooled: Path, *, restart: bool = False) -> PublishedSnapshot:
         self._check_settings()
+        with publishing(self.store, self.config.run, self.config.work_dir):  # gc keeps off the run meanwhile
+            # a head that gc retired from the store cannot be a delta's base: a full snapshot then
+            restart = restart or base_retired(self.store, self.writer.head(), step)
+            return self._publish_leased(step, spooled, restart=restart)
+
+    def _publish_leased(self, step: int, spooled: Path, *, restart: bool) -> PublishedSnapshot:
         base = None if restart else self._base_checkpoint()
         with naming(self.writer.chain_dir):
             record = self.writer.add(spooled, base=base, step=step, restart=restart)
         crashpoint("after_encode")
         published = self._publish_record(record, spooled)
-        self._promote(step, spooled)
+        promote_base(self.config.work_dir, step, spooled)
         crashpoint("after_promote")
         if self.config.retention and record.kind == "full":
             retire_old_chains(self.store, self.ledger)
@@ -331,9 +338,10 @@ class Publisher:
         if head is None or base is None:
             raise PublishError("nothing published yet: no weights to publish in full")
         self._check_settings()
-        with naming(self.writer.chain_dir):
-            record = self.writer.add(base, step=head.step, restart=True)
-        published = self._publish_record(record, base, restart=True)
+        with publishing(self.store, self.config.run, self.config.work_dir):  # gc keeps off the run meanwhile
+            with naming(self.writer.chain_dir):
+                record = self.writer.add(base, step=head.step, restart=True)
+            published = self._publish_record(record, base, restart=True)
         self.published.append(published)
         return published
 
@@ -382,18 +390,6 @@ class Publisher:
         same = "the same" if held.content == content else "different"
         raise PublishError(f"step {entry.step} of run {self.config.run} was published meanwhile as {held.identity} "
                            f"({same} weights) by another publisher; {entry.identity} was withdrawn")
-
-    def _promote(self, step: int, spooled: Path) -> None:
-        """The published checkpoint becomes the base of the next delta; older bases go."""
-        base = self.config.work_dir / f"base-{spool_name(step)}"
-        if spooled.exists():
-            if base.exists():
-                shutil.rmtree(spooled)
-            else:
-                os.rename(spooled, base)
-        for p in self.config.work_dir.iterdir():
-            if p.name.startswith("base-") and p != base:
-                shutil.rmtree(p)
 
 
 __all__ = ["PublishConfig", "PublishError", "PublishedSnapshot", "Publisher", "published_steps"]

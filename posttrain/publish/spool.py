@@ -49,3 +49,16 @@ def queued(spool_dir: Path) -> list[tuple[int, Path]]:
         return []
     items = [(spooled_step(p), p) for p in spool_dir.iterdir() if p.is_dir()]
     return sorted((s, p) for s, p in items if s is not None)
+
+
+def promote_base(work_dir: Path, step: int, spooled: Path) -> None:
+    """The published checkpoint becomes the base of the next delta; older bases go."""
+    base = work_dir / f"base-{spool_name(step)}"
+    if spooled.exists():
+        if base.exists():
+            shutil.rmtree(spooled)
+        else:
+            os.rename(spooled, base)
+    for p in work_dir.iterdir():
+        if p.name.startswith("base-") and p != base:
+            shutil.rmtree(p)
