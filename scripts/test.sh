@@ -13,6 +13,7 @@ bash scripts/setup.sh
 # vLLM (CPU build) in a venv of its own, cached outside the checkout so every clone reuses it.
 export VLLM_VENV="${VLLM_VENV:-$HOME/.cache/posttrain/venv-vllm}"
 bash scripts/services/setup-vllm.sh
+bash scripts/services/setup-chromium.sh  # the run-form test renders the Prefect UI
 export POSTTRAIN_REQUIRE_VLLM=1
 export POSTTRAIN_SERVICES_DIR="${POSTTRAIN_SERVICES_DIR:-/tmp/posttrain-services}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
