@@ -169,12 +169,16 @@ class ReplicaChecks:
                 log.info("%s holds %s and serves again", r.name, self._served_name())
             r.error = None
             return
-        log.warning("%s: %s; putting it back on %s", r.name, why, self._served_name())
+        before = r.error
+        # a replica that cannot be put back is tried again at every probe: logged once, not every interval
+        (log.debug if before is not None and before.startswith(why) else log.warning)(
+            "%s: %s; putting it back on %s", r.name, why, self._served_name())
         r.error = f"{why}; putting it back on {self._served_name()}"
-        self._put_back(r, why)
+        self._put_back(r, why, quiet=before)
 
-    def _put_back(self, r: Replica, why: str) -> None:
-        """Put ``r`` back on the served version and check it (the caller holds ``r.lock``)."""
+    def _put_back(self, r: Replica, why: str, quiet: str | None = None) -> None:
+        """Put ``r`` back on the served version and check it (the caller holds ``r.lock``); a failure
+        whose reason is ``quiet`` (the one logged at the last probe) is not logged again."""
         try:
             if r.process is not None:
                 r.process.restart(self._base_dir)
@@ -195,7 +199,8 @@ class ReplicaChecks:
             log.info("%s is back on %s", r.name, self._served_name())
         except Exception as e:  # noqa: BLE001 - reported as the replica's state
             r.error = f"{why}; putting it back on {self._served_name()} failed: {e}"
-            log.warning("%s: %s", r.name, r.error)
+            if r.error != quiet:
+                log.warning("%s: %s", r.name, r.error)
 
     def _revive(self, r: Replica) -> None:
         """Restart a supervised engine that died on the version served now (the caller holds ``r.lock``)."""

@@ -104,7 +104,8 @@ def test_a_hot_load_of_the_served_version_puts_back_a_replica_on_other_weights(c
     assert api.complete(prompt=PROMPT, max_tokens=2)["weight_version"] == version
 
 
-def test_an_engine_that_cannot_be_put_back_is_error_and_takes_no_request(chain, tmp_path, running, make_client):
+def test_an_engine_that_cannot_be_put_back_is_error_and_takes_no_request(chain, tmp_path, running, make_client,
+                                                                         caplog):
     fake = _fake(chain, running)
     server, api = _gateway(chain, tmp_path / "work", fake, running)
     make_client(server).hot_load(chain.full)
@@ -126,6 +127,11 @@ def test_an_engine_that_cannot_be_put_back_is_error_and_takes_no_request(chain, 
                           json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=10)
     assert reply.status_code == 503 and "no replica can serve" in reply.json()["error"]["message"]
     assert not [r for r in restarted.requests if r.path == "/generate" and r.body.get("input_ids") == [PROMPT]]
+    time.sleep(3 * INTERVAL)  # tried again at every probe, logged once
+    assert len([r for r in restarted.requests if r.path == "/update_weights_from_disk"]) >= 3
+    failed = [r for r in caplog.records if r.levelname == "WARNING" and "failed: " in r.getMessage()
+              and "disk gone" in r.getMessage()]
+    assert len(failed) == 1, [r.getMessage() for r in failed]
 
 
 def test_a_restarted_gateway_adopts_the_version_its_engine_holds(chain, tmp_path, running, make_client):
