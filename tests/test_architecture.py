@@ -17,7 +17,7 @@ FLOORS: dict[str, int] = {
     "posttrain.storage": 1, "posttrain.cluster": 1,
     "posttrain.chain": 2, "posttrain.datasets": 2, "posttrain.rollouts": 2, "posttrain.lora": 2,
     "posttrain.trainer": 3, "posttrain.models": 3, "posttrain.publish": 3, "posttrain.inference": 3,
-    "posttrain.promote": 3,
+    "posttrain.promote": 3, "posttrain.promote.promoter": 4,
     "posttrain.runs": 4,
     "posttrain.serve": 5,
     "posttrain.testing": 6,

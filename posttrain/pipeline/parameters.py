@@ -21,10 +21,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from posttrain.pipeline.settings import BLOCK_PARAMETERS
+from posttrain.pipeline.settings import BLOCK_PARAMETERS, PROMOTION_BLOCK_PARAMETERS
 
 #: Settings fields whose model's fields become top-level parameters.
-GROUPS = ("publish", "trainer", "rollout", "lora")
+GROUPS = ("publish", "trainer", "rollout", "lora", "promotion")
 
 
 class ParameterError(ValueError):
@@ -98,8 +98,9 @@ def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     constraints.default, constraints.default_factory = PydanticUndefined, None
     default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
     annotation = Annotated[field.annotation, constraints]
-    if name in BLOCK_PARAMETERS:
-        annotation = _block_annotation(field, constraints, BLOCK_PARAMETERS[name])
+    blocks = BLOCK_PARAMETERS.get(name) or PROMOTION_BLOCK_PARAMETERS.get(name)
+    if blocks:
+        annotation = _block_annotation(field, constraints, blocks)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 

@@ -9,12 +9,13 @@ from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
 from annotated_types import MinLen
-from prefect.blocks.core import Block
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
 from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor
 from posttrain.pipeline.blocks import InferenceDeployment, KubernetesCluster, LocalCluster, ObjectStore, SlurmCluster
+from posttrain.pipeline.promotion_settings import PromotionSettings
+from posttrain.pipeline.refs import ABSOLUTE, BLOCK_REF, block_ref, whole_value
 from posttrain.rollouts.shard import RolloutSettings
 from posttrain.trainer.config import LoraSettings, TrainerConfig
 
@@ -23,45 +24,13 @@ from posttrain.trainer.config import LoraSettings, TrainerConfig
 # "(?!\n)": Prefect checks a parameter against its schema's pattern with Python's re.search, where "$"
 # also matches before a final newline; the lookahead refuses it (and JavaScript, the UI form's, compiles it).
 RUN_NAME_RE = re.compile(r"^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$(?!\n)")
-# <block-type-slug>/<name>, a pydantic pattern: its (Rust) regex has no lookahead and needs none ("$" is the
-# end of the text there); the schema gets the lookahead from ``whole_value``.
-BLOCK_REF = r"^[0-9a-z][-0-9a-z]*/[0-9A-Za-z][-0-9A-Za-z_.]*$"
-ABSOLUTE = {"pattern": "^/"}  # in the schema, so a deployment refuses a relative path when the run is created
-
 #: Parameters that name a block. The CLI gives ``<slug>/<name>``; the UI's run form also offers a
 #: picker of the saved blocks of these types (Prefect passes a reference to the one picked).
 BLOCK_PARAMETERS = {"cluster": (LocalCluster, SlurmCluster, KubernetesCluster), "store": (ObjectStore,),
                     "inference": (InferenceDeployment,)}
-
-
-def whole_value(schema: dict) -> None:
-    """A field's JSON schema hook: every pattern that ends in "$" also refuses a final newline, as
-    Prefect checks it (Python's re.search, whose "$" matches before one)."""
-    for key, value in schema.items():
-        if key == "pattern" and isinstance(value, str) and value.endswith("$"):
-            schema[key] = value + r"(?!\n)"
-        for inner in value if isinstance(value, list) else [value]:
-            if isinstance(inner, dict):
-                whole_value(inner)
-
-
-def block_ref(value):
-    """A block parameter as ``<slug>/<name>``: a name as given, or a picked block (the block, or
-    Prefect's ``{"$ref": ...}`` to it, as a flow run's stored parameters hold it)."""
-    if isinstance(value, dict) and "$ref" in value:
-        ref = value["$ref"]
-        if isinstance(ref, dict) and isinstance(ref.get("block_document_slug"), str):
-            return ref["block_document_slug"]
-        try:
-            value = Block.load_from_ref(ref)
-        except Exception as e:  # noqa: BLE001 - say which reference could not be resolved
-            raise ValueError(f"cannot load the block picked ({ref}): {type(e).__name__}: {e}") from None
-    if isinstance(value, Block):
-        name = getattr(value, "_block_document_name", None)
-        if not name or getattr(value, "_is_anonymous", False):
-            raise ValueError("pick a saved block (one with a name), or give <block-type-slug>/<name>")
-        return f"{value.get_block_type_slug()}/{name}"
-    return value
+#: Block parameters of promotion: the production deployment, the staging one (the promote flow's).
+PROMOTION_BLOCK_PARAMETERS = {"promote_to": (InferenceDeployment,), "production": (InferenceDeployment,),
+                              "staging": (InferenceDeployment,)}
 
 
 # Fields the flows fill in themselves (``lora`` from the run's lora group).
@@ -174,7 +143,7 @@ class RunSettings(BaseModel):
     publish: PublishSettings = Field(default_factory=PublishSettings, description="Chain policy and layout.")
     lora: LoraGroup = Field(default_factory=LoraGroup, description="LoRA training and publishing.")
 
-    _blocks = field_validator(*BLOCK_PARAMETERS, mode="before")(lambda cls, v: block_ref(v))
+    _blocks = field_validator("cluster", "store", "inference", mode="before")(lambda cls, v: block_ref(v))
 
     @field_validator("run_name")
     @classmethod
@@ -205,11 +174,32 @@ class NightlySettings(RunSettings):
 
     trainer: GrpoTrainerSettings = Field(description="TRL GRPO settings.")
     watch_poll_s: float = Field(2.0, gt=0, description="Seconds between looks for new checkpoints.")
+    promote_to: str | None = Field(
+        None, pattern=BLOCK_REF, json_schema_extra=whole_value,
+        description="Production inference deployment block (`block-type-slug/block-name`) to promote the run's "
+        "last snapshot to when the eval gate accepts it (the run's inference deployment is the staging one); "
+        "null (None): no promotion. docs/promotion.md.")
+    promotion: PromotionSettings = Field(default_factory=lambda: PromotionSettings(),
+                                         description="The eval gate of promote_to.")
+
+    _promote_to = field_validator("promote_to", mode="before")(lambda cls, v: block_ref(v))
 
     @field_validator("trainer")
     @classmethod
     def _trainer(cls, v: BaseModel) -> BaseModel:
         return check_trainer(v, "grpo")
+
+    @model_validator(mode="after")
+    def _promotion(self) -> NightlySettings:
+        if self.promote_to is not None:
+            if self.inference is None:
+                raise ValueError("promote_to: promotion evaluates on the run's inference deployment (staging): "
+                                 "name its block in inference")
+            if self.promote_to == self.inference:
+                raise ValueError("promote_to: the production deployment must not be the run's inference "
+                                 "deployment (staging)")
+            self.promotion.require_eval_dataset("promote_to")
+        return self
 
 
 class GrpoSettings(RunSettings):
@@ -253,3 +243,4 @@ def flow_run_name() -> str:
     name = (flow_run.parameters or {}).get("run_name")
     when = flow_run.scheduled_start_time or datetime.now(UTC)
     return f"{name or flow_run.flow_name}-{when:%Y-%m-%d}-{run_suffix(flow_run.id)}"
+

@@ -205,6 +205,12 @@ def first_promotion(config: GateConfig, candidate_rewards: Rewards | None, *, ca
     )
 
 
+def already_champion(config: GateConfig, identity: str, deployment: str) -> Decision:
+    """The decision for a candidate that is the champion already (a retried promotion): nothing to compare."""
+    return Decision(**{**_base(config, identity, identity), "accepted": True},
+                    reason=f"accepted: {identity} is the champion of {deployment} already; nothing to compare")
+
+
 def bootstrap_means(values: np.ndarray, samples: int, seed: int) -> np.ndarray:
     """Means of ``values`` (K prompts x columns) over ``samples`` resamples of its rows with replacement.
 

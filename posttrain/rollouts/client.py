@@ -74,10 +74,12 @@ class CompletionsClient:
         self.session.close()
 
     def complete(self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float) -> Completion:
+                 top_p: float, seed: int | None = None) -> Completion:
         body = {"model": self.config.model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, "logprobs": 1, "return_tokens_as_token_ids": True,
                 "echo": False}
+        if seed is not None:  # the same seed, prompt and weights sample the same completions
+            body["seed"] = seed
         reply = self._post("/v1/completions", body)
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != n:

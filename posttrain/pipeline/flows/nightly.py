@@ -15,6 +15,8 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from posttrain.pipeline.parameters import flat_parameters
+from posttrain.pipeline.flows.promote import run_promotion
+from posttrain.pipeline.promotion_settings import PromoteSettings
 from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
@@ -42,6 +44,7 @@ class NightlyReport(BaseModel):
     snapshots: list[dict]
     final_step: int | None
     run_dir: str
+    promotion: dict | None = None
 
 
 @flow(name="nightly-post-training", flow_run_name=flow_run_name, log_prints=True,
@@ -85,5 +88,18 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     snapshots_table(card, rows)
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
                 result.global_step)
+    promotion = promote_last(settings, rows) if settings.promote_to and rows else None
     return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,
-                         final_step=result.global_step, run_dir=str(run_dir))
+                         final_step=result.global_step, run_dir=str(run_dir),
+                         promotion=promotion.model_dump() if promotion else None)
+
+
+def promote_last(settings: NightlySettings, rows: list[dict]):
+    """The run's last snapshot, as its inference deployment (staging) serves it, through the eval gate
+    to ``promote_to`` (docs/promotion.md); the eval's reward functions default to the run's."""
+    last = rows[-1]
+    candidate = last.get("served") or last["snapshot"]  # a delta that fell back is served as a full snapshot
+    target = PromoteSettings(production=settings.promote_to, staging=settings.inference, store=settings.store,
+                             candidate=candidate, tokenizer=settings.base_model, shared_dir=settings.shared_dir,
+                             promotion=settings.promotion)
+    return run_promotion(target, run=settings.run_name, default_reward_funcs=settings.trainer.reward_funcs)

@@ -10,6 +10,12 @@ Events (``prefect.events.emit_event``), their primary resource, and what they ca
   (label ``posttrain.will-retry``: ``true``/``false``); related: the snapshot and the run.
 - ``posttrain.round.finished``: the run ``posttrain.run.<run_name>`` (label ``posttrain.round``);
   samples, reward mean and std; related: the round's snapshot.
+- ``posttrain.promotion.accepted`` / ``posttrain.promotion.refused``: the production deployment block
+  (label ``posttrain.snapshot``: the candidate); the decision (rule, margin, confidence, both means,
+  the lower bound, prompts, n, reason) and the history record's number; related: the candidate,
+  the champion and the run.
+- ``posttrain.rollback.done``: the production deployment block (label ``posttrain.snapshot``: the
+  version served again); the previous champion, the record's number and the reason.
 - ``posttrain.job.submitted`` / ``completed`` / ``failed`` / ``cancelled``: the training job
   ``posttrain.job.<backend>.<job_id>``; job id, backend, run name (and the reason of a failure or
   cancellation); related: the run.
@@ -128,3 +134,33 @@ def job_event(state: str, job: JobRecord, reason: str | None = None,
     event = f"posttrain.job.{state}"
     _emit(event, job_resource(job), [run_resource(run_name), *(related or [])], payload,
           id=_once(event, run_name, job.backend, job.job_id))
+
+
+def promotion_decided(run: str, production: str, promotion) -> None:
+    """``promotion``: a ``posttrain.promote.promoter.Promotion``. Stated once per history record."""
+    d = promotion.decision
+    record = promotion.record
+    event = "posttrain.promotion.accepted" if d.accepted else "posttrain.promotion.refused"
+    payload = {"run_name": run, "production": production, "candidate": d.candidate, "champion": d.champion,
+               "accepted": d.accepted, "reason": d.reason if record is None else record.reason,
+               "rule": d.rule, "margin": d.margin, "confidence": d.confidence, "prompts": d.prompts,
+               "samples_per_prompt": d.samples_per_prompt, "candidate_mean": d.candidate_mean,
+               "champion_mean": d.champion_mean, "lower_bound": d.lower_bound,
+               "record": record.seq if record else None, "failures": promotion.failures}
+    related = [snapshot_resource(d.candidate, "candidate"), run_resource(run)]
+    if d.champion:
+        related.append(snapshot_resource(d.champion, "champion"))
+    _emit(event, block_resource(production) | {"posttrain.snapshot": d.candidate}, related, payload,
+          id=_once(event, production, record.seq) if record else None)
+
+
+def rollback_done(run: str, production: str, done) -> None:
+    """``done``: a ``posttrain.promote.promoter.Rollback``."""
+    record = done.record
+    payload = {"run_name": run, "production": production, "identity": record.identity, "previous": record.previous,
+               "record": record.seq, "reason": record.reason, "seconds": round(done.served.seconds, 3)}
+    related = [snapshot_resource(record.identity, "snapshot"), run_resource(run)]
+    if record.previous:
+        related.append(snapshot_resource(record.previous, "previous"))
+    _emit("posttrain.rollback.done", block_resource(production) | {"posttrain.snapshot": record.identity}, related,
+          payload, id=_once("posttrain.rollback.done", production, record.seq))

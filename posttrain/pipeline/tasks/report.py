@@ -189,3 +189,58 @@ def reward_curve(run_name: str, means: list[float], stds: list[float]) -> str:
     _upsert(key, "markdown", markdown, description,
             lambda: create_markdown_artifact(markdown, key=key, description=description))
     return svg
+
+
+def comparison_svg(decision) -> str:
+    """A small SVG of the gate's comparison (``decision``: a ``posttrain.promote.Decision``): each side's
+    mean reward as a dot with its interval, on one reward axis."""
+    sides = [(label, mean, iv) for label, mean, iv in (
+        ("champion", decision.champion_mean, decision.champion_interval),
+        ("candidate", decision.candidate_mean, decision.candidate_interval)) if mean is not None]
+    w, row, left, right, top = 480, 34, 90, 24, 30
+    h = top + row * max(len(sides), 1) + 40
+    values = [v for _, m, iv in sides for v in (m, *(iv or ()))] or [0.0, 1.0]
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    ticks = _ticks(lo, hi)
+    lo, hi = ticks[0], ticks[-1]
+
+    def x(v: float) -> float:
+        return left + (w - left - right) * (v - lo) / (hi - lo)
+
+    verdict = "accepted" if decision.accepted else "refused"
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2:.0f}" y="18" font-size="13" text-anchor="middle">mean reward, '
+             f'{decision.confidence:.0%} intervals: {verdict}</text>']
+    axis = top + row * max(len(sides), 1)
+    parts.append(f'<line x1="{left}" y1="{axis}" x2="{w - right}" y2="{axis}" stroke="black"/>')
+    for t in ticks:
+        parts.append(f'<line x1="{x(t):.1f}" y1="{top}" x2="{x(t):.1f}" y2="{axis + 4}" stroke="#ddd"/>'
+                     f'<text x="{x(t):.1f}" y="{axis + 16}" font-size="11" text-anchor="middle">{t:g}</text>')
+    for i, (label, mean, iv) in enumerate(sides):
+        y = top + row * i + row / 2
+        color = "#08519c" if label == "candidate" else "#636363"
+        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" font-size="12" text-anchor="end">{label}</text>')
+        if iv:
+            parts.append(f'<line x1="{x(iv[0]):.1f}" y1="{y:.1f}" x2="{x(iv[1]):.1f}" y2="{y:.1f}" '
+                         f'stroke="{color}" stroke-width="2"/>')
+        parts.append(f'<circle cx="{x(mean):.1f}" cy="{y:.1f}" r="4" fill="{color}"/>')
+    parts.append(f'<text x="{(left + w - right) / 2:.0f}" y="{h - 6}" font-size="12" text-anchor="middle">'
+                 'reward</text></svg>')
+    return "".join(parts)
+
+
+def promotion_report(key: str, production: str, promotion) -> None:
+    """The gate's comparison as a markdown artifact: the decision, its table and a plot."""
+    d = promotion.decision
+    svg = comparison_svg(d)
+    url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
+    record = f"history record #{promotion.record.seq}" if promotion.record else "nothing new recorded"
+    reason = promotion.record.reason if promotion.record else d.reason
+    markdown = (f"### {'Promoted' if d.accepted else 'Refused'}: `{d.candidate}` for {production}\n\n"
+                f"{reason}\n\n{d.markdown_table()}\n\n![the two means with their intervals]({url})\n\n"
+                f"Champion before: `{d.champion or 'none'}`; {record}.\n")
+    description = f"Eval gate of {production}: {'accepted' if d.accepted else 'refused'} {d.candidate}"
+    create_markdown_artifact(markdown, key=artifact_key(key, "promotion"), description=description)

@@ -1,0 +1,137 @@
+"""Promotion and rollback through real reference servers (staging and production) and a store folder:
+the first candidate is promoted; a better one is promoted and production serves it; a worse one is
+refused and production keeps the champion; ``previous`` restores the earlier champion's identity and
+answers; bad input changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
+from posttrain.promote.decision import GateConfig
+from posttrain.promote.evaluate import EvalSettings, EvalStore
+from posttrain.promote.history import History
+from posttrain.promote.promoter import Deployment, PromotionError, promote, rollback
+from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
+from posttrain.storage import open_store
+from tests.support.promotion import eval_rows, greedy_eval
+from tests.support.serving import PREFIX, PROMPT, TOKEN, Api, start_server
+
+
+@pytest.fixture(scope="module")
+def rows(chain):
+    return eval_rows(chain)
+
+
+@pytest.fixture
+def site(chain, store_copy, tmp_path):
+    """Staging and production reference servers on one store; yields (store, staging, production, apis)."""
+    servers = [start_server(chain, tmp_path / name, store_copy, deployment_id=name) for name in ("staging", "prod")]
+    store = open_store(str(store_copy / PREFIX))
+    loaders = [CoreWeaveHotLoader(HotLoadConfig(api_url=s.url, deployment_id=name, token=TOKEN, poll_interval=0.05,
+                                                timeout=60)) for s, name in zip(servers, ("staging", "prod"), strict=True)]
+
+    def completions(url=servers[0].url):
+        return CompletionsClient(CompletionsConfig(gateway_url=url, model="tiny", token=TOKEN))
+
+    try:
+        yield (store, Deployment("staging", loaders[0], completions), Deployment("prod", loaders[1]),
+               [Api(s.url) for s in servers])
+    finally:
+        for x in (*loaders, store):
+            x.close()
+        for s in servers:
+            s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chain):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chain.models[0])
+
+
+def gate_run(site, rows, tokenizer, candidate, *, gate=None, **eval_overrides):
+    store, staging, production, _ = site
+    settings = EvalSettings(**greedy_eval(**eval_overrides))
+    gate = gate or GateConfig(samples_per_prompt=settings.samples_per_prompt)
+    return promote(store=store, candidate=candidate, run="nightly-test", gate=gate, settings=settings, rows=rows,
+                   dataset_digest="d" * 64, tokenizer=tokenizer, staging=staging, production=production)
+
+
+def served(api: Api) -> set[str]:
+    r = api.get("/v1alpha1/inference/hotLoads", params={"parentDeploymentId": "prod", "maxPageSize": 1})
+    return {x["currentSnapshotIdentity"] for x in api.get(
+        f"/v1alpha1/inference/hotLoads/{r.json()['hotLoads'][0]['spec']['id']}/replicas").json()["replicas"]}
+
+
+def test_better_is_promoted_worse_refused_and_rollback_restores_the_previous_champion(chain, site, rows, tokenizer):
+    store, _, production, (staging_api, prod_api) = site
+    history = History(store, "", "prod")
+
+    first = gate_run(site, rows, tokenizer, chain.d1)  # no champion yet: its own eval decides
+    assert first.promoted and first.record.kind == "promotion" and first.record.previous is None
+    assert "first promotion" in first.decision.reason
+    assert served(prod_api) == {chain.d1} and prod_api.greedy() == chain.greedy[1]
+
+    better = gate_run(site, rows, tokenizer, chain.d2)  # the eval's references are m2's answers
+    assert better.promoted, better.decision.reason
+    assert better.decision.candidate_mean == pytest.approx(1.0)
+    assert better.decision.champion_mean < 0.8 and better.decision.lower_bound > 0
+    assert served(prod_api) == {chain.d2} and prod_api.greedy() == chain.greedy[2]
+    assert better.champion_eval.digest == first.candidate_eval.digest  # the champion's stored eval, reused
+    assert EvalStore(store).get(better.candidate_eval.digest, chain.d2) is not None
+
+    worse = gate_run(site, rows, tokenizer, chain.full)  # m0: further from the references than the champion
+    assert not worse.promoted and worse.served is None
+    assert worse.record.kind == "refusal" and worse.record.previous == chain.d2
+    assert worse.record.reason.startswith("refused") and "lower bound" in worse.record.reason
+    assert served(prod_api) == {chain.d2} and prod_api.greedy() == chain.greedy[2]  # production untouched
+    assert history.champion() == chain.d2
+
+    back = rollback(store=store, production=production, to="previous")
+    assert back.record.kind == "rollback" and back.record.identity == chain.d1 and back.record.previous == chain.d2
+    assert served(prod_api) == {chain.d1} and prod_api.greedy(PROMPT) == chain.greedy[1]
+    assert [r.kind for r in history.records()] == ["promotion", "promotion", "refusal", "rollback"]
+    assert history.champion() == chain.d1 and history.previous_champion() is None
+
+
+def test_a_retried_promotion_records_nothing_twice(chain, site, rows, tokenizer):
+    store, *_ = site
+    gate_run(site, rows, tokenizer, chain.d2)
+    again = gate_run(site, rows, tokenizer, chain.d2)
+    assert again.promoted and again.record is None and "already" in again.decision.reason
+    assert len(History(store, "", "prod").records()) == 1
+
+
+def test_an_eval_that_fails_is_a_refusal_that_says_which_side(chain, site, rows, tokenizer):
+    store, _, _, (staging_api, prod_api) = site
+    gate_run(site, rows, tokenizer, chain.d1)
+    staging_api.faults({"kind": "http_error", "status": 400, "path_prefix": "/v1/completions", "count": 1000})
+    refused = gate_run(site, rows, tokenizer, chain.d2)
+    assert not refused.promoted and set(refused.failures) == {"candidate"}
+    assert "the candidate could not be evaluated" in refused.record.reason and "HTTP 400" in refused.record.reason
+    assert served(prod_api) == {chain.d1}
+
+
+def test_rollback_to_any_identity_of_the_store_and_bad_input(chain, site, rows, tokenizer):
+    store, _, production, (_, prod_api) = site
+    with pytest.raises(PromotionError, match="--to previous: deployment prod has no earlier champion"):
+        rollback(store=store, production=production, to="previous")
+    with pytest.raises(PromotionError, match="unknown identity step-00000099-nope"):
+        rollback(store=store, production=production, to="step-00000099-nope")
+    with pytest.raises(PromotionError, match="unknown identity nope"):
+        gate_run(site, rows, tokenizer, "nope")
+    with pytest.raises(PromotionError, match="eval_dataset: the eval set has zero prompts"):
+        gate_run(site, [], tokenizer, chain.d1)
+    assert History(store, "", "prod").records() == [] and prod_api.greedy() == chain.greedy[0]  # nothing changed
+
+    done = rollback(store=store, production=production, to=chain.d2, run="rollback-1")  # a delta, from boot weights
+    assert done.record.identity == chain.d2 and served(prod_api) == {chain.d2}
+    assert prod_api.greedy() == chain.greedy[2]
+    again = rollback(store=store, production=production, to=chain.d2, run="rollback-1")  # its retry
+    assert again.recorded_before and len(History(store, "", "prod").records()) == 1
+    with pytest.raises(PromotionError, match="is already the champion"):
+        rollback(store=store, production=production, to=chain.d2)
