@@ -4,6 +4,7 @@ and rollback flows' settings (docs/promotion.md)."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -56,10 +57,11 @@ class PromotionSettings(_PromotionFields):
     def _gate(self) -> PromotionSettings:
         try:
             self.gate()
-        except ValidationError as e:
-            raise ValueError("; ".join(f"gate_{'.'.join(str(p) for p in err['loc'])}: "
-                                       f"{err['msg'].removeprefix('Value error, ')}" if err["loc"] else
-                                       err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+        except ValidationError as e:  # name the flow's parameters (gate_margin), not GateConfig's fields
+            names = re.compile(r"\b(" + "|".join(GateConfig.model_fields) + r")\b")
+            raise ValueError("; ".join(names.sub(r"gate_\1", ".".join(str(p) for p in err["loc"]) + ": " if err["loc"]
+                                                 else "") + names.sub(r"gate_\1", err["msg"].removeprefix("Value error, "))
+                                       for err in e.errors())) from None
         if self.eval_max_prompts is not None and self.eval_max_prompts < self.gate_min_prompts:
             raise ValueError(f"eval_max_prompts: {self.eval_max_prompts} prompts can never reach gate_min_prompts "
                              f"{self.gate_min_prompts}")

@@ -151,7 +151,7 @@ def promotion_decided(run: str, production: str, promotion) -> None:
     if d.champion:
         related.append(snapshot_resource(d.champion, "champion"))
     _emit(event, block_resource(production) | {"posttrain.snapshot": d.candidate}, related, payload,
-          id=_once(event, production, record.seq) if record else None)
+          id=_once(event, production, record.seq, record.at.isoformat()) if record else None)
 
 
 def rollback_done(run: str, production: str, done) -> None:
@@ -163,4 +163,4 @@ def rollback_done(run: str, production: str, done) -> None:
     if record.previous:
         related.append(snapshot_resource(record.previous, "previous"))
     _emit("posttrain.rollback.done", block_resource(production) | {"posttrain.snapshot": record.identity}, related,
-          payload, id=_once("posttrain.rollback.done", production, record.seq))
+          payload, id=_once("posttrain.rollback.done", production, record.seq, record.at.isoformat()))
