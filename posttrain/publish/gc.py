@@ -103,7 +103,7 @@ class GcPlan:
     # the roots of ``protected`` and why each is kept ("kept run R", "history of D", "--protect",
     # or the caller's reason), several reasons joined by "; "
     protected_by: dict[str, str] = field(default_factory=dict)
-    absent: dict[str, str] = field(default_factory=dict)  # roots the store does not have (nothing to keep), and why named
+    absent: dict[str, str] = field(default_factory=dict)  # roots named that the store lacks: nothing to keep
 
     def held_back(self) -> dict[str, str]:
         """The roots kept for another reason than being a version of a kept run: what the dry run lists."""

@@ -45,7 +45,8 @@ def test_gc_parameters_are_flat_typed_and_off_by_default():
 
 
 @pytest.mark.parametrize(("bad", "line"), [
-    ({"gc_keep_runs": 2, "gc_keep_days": 7}, "gc_keep_runs and gc_keep_days: give at most one of them (neither: no gc)"),
+    ({"gc_keep_runs": 2, "gc_keep_days": 7},
+     "gc_keep_runs and gc_keep_days: give at most one of them (neither: no gc)"),
     ({"gc_keep_runs": 0}, "gc_keep_runs: Input should be greater than or equal to 1"),
     ({"gc_keep_days": -1}, "gc_keep_days: Input should be greater than 0"),
     ({"gc_protect": ["../x"]}, "gc_protect: gc_protect[0] '../x' is not one path segment"),
