@@ -18,6 +18,8 @@ FLOORS: dict[str, int] = {
     "posttrain.chain": 2, "posttrain.datasets": 2, "posttrain.rollouts": 2, "posttrain.lora": 2,
     "posttrain.trainer": 3, "posttrain.models": 3, "posttrain.publish": 3, "posttrain.inference": 3,
     "posttrain.promote": 3, "posttrain.promote.promoter": 4,
+    # gc keeps what the promotion histories need: it reads them, so it sits above promote.
+    "posttrain.publish.gc": 4,
     "posttrain.runs": 4,
     "posttrain.serve": 5,
     "posttrain.testing": 6,

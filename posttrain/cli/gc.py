@@ -1,9 +1,11 @@
 """``posttrain gc``: retention across the runs of a store (docs/retention.md).
 
-Lists what the rule deletes (run, identity, kind, step, bytes) and the total, then deletes it
-newest first with a progress bar; ``--dry-run`` stops after the list. Bad input (no rule or
+Names the versions protected besides the kept runs' (``--protect``, the promotion histories in
+the store) and why, lists what the rule deletes (run, identity, kind, step, bytes) and the total,
+then deletes it newest first with a progress bar; ``--dry-run`` stops after the list. Bad input (no rule or
 both, a count or age not above 0, a store that is not there, a protected identity the store does
-not have) is one line on stderr, exit status 2, with nothing deleted. Runs that are being
+not have, a promotion history record that cannot be read) is one line on stderr, exit status 2,
+with nothing deleted. Runs that are being
 published are skipped and named; the exit status is still 0.
 """
 
@@ -91,6 +93,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             return 0
         kept = [r.run for r in plan.runs if r.kept]
         print(f"{store.uri}: {len(plan.runs)} runs; kept whole: {', '.join(kept) or '(none)'}")
+        _print_roots(plan)
         if not plan.doomed:
             print("nothing to delete")
             return 0
@@ -106,6 +109,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     freed = result.freed_bytes
     print(f"deleted {len(result.deleted)} snapshots, freed {human_bytes(freed)} ({freed} bytes)")
     return 0
+
+
+def _print_roots(plan) -> None:  # noqa: ANN001 - a GcPlan
+    """The versions kept besides those of the kept runs (each with its chain prefix), and why."""
+    for identity, why in plan.held_back().items():
+        print(f"protected: {identity} ({why})")
+    for identity, why in sorted(plan.absent.items()):
+        print(f"not in the store, nothing to keep: {identity} ({why})")
 
 
 def _table(plan, human_bytes):  # noqa: ANN001, ANN202 - a GcPlan and chain.human_bytes; a rich Table

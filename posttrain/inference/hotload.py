@@ -325,6 +325,25 @@ class CoreWeaveHotLoader:
             error_reason=str(r.get("errorReason", "") or ""),
         ) for r in items]
 
+    def served_identities(self) -> set[str]:
+        """The identities the deployment's replicas serve now (``currentSnapshotIdentity``), read through
+        its newest operation (``GET hotLoads?parentDeploymentId=D&maxPageSize=1``, then its replicas:
+        the deployment's), plus what that operation still loads when unfinished. Empty when never
+        hot-loaded (the replicas serve the model they booted with, no snapshot)."""
+        dep = self.config.deployment_id
+        body = self._http.request("list hot-loads", "GET", API_PREFIX, params={"parentDeploymentId": dep,
+                                                                             "maxPageSize": 1})
+        items = body.get("hotLoads") or []
+        if not isinstance(items, list):  # not "nothing served": gc would delete what is
+            raise HotLoadAPIError(f"list hot-loads for deployment {dep}: hotLoads is not a list")
+        newest = next((o for o in items if isinstance(o, dict) and _spec(o).get("deploymentId", dep) == dep), None)
+        if newest is None or not _op_id(newest):
+            return set()
+        served = {r.current_snapshot_identity for r in self.replicas(_op_id(newest)) if r.current_snapshot_identity}
+        if _state(newest) not in TERMINAL_STATES and isinstance(_spec(newest).get("identity"), str):
+            served.add(_spec(newest)["identity"])
+        return served
+
     def _check_spec(self, op: dict, identity: str, op_id: str) -> None:
         spec = _spec(op)
         got = (spec.get("identity"), spec.get("deploymentId"))

@@ -2,7 +2,7 @@
 
 Prefect merges a run's parameters with its deployment's at the top level only, so a nested
 ``settings`` object would make a user copy every field to change one. Here the flows take the
-settings' own fields plus the fields of each group (``publish``, ``trainer``, ``rollout``, ``lora``) as
+settings' own fields plus the fields of each group (``publish``, ``trainer``, ``rollout``, ``lora``, ``gc``) as
 top-level parameters: ``--param learning_rate=5e-5`` changes exactly that, and the deployment's
 defaults hold for the rest. The schema carries each field's type, bounds, pattern and
 description, so a deployment with ``enforce_parameter_schema`` refuses a bad value when the run
@@ -24,7 +24,7 @@ from pydantic_core import PydanticUndefined
 from posttrain.pipeline.settings import BLOCK_PARAMETERS, PROMOTION_BLOCK_PARAMETERS
 
 #: Settings fields whose model's fields become top-level parameters.
-GROUPS = ("publish", "trainer", "rollout", "lora", "promotion")
+GROUPS = ("publish", "trainer", "rollout", "lora", "promotion", "gc")
 
 
 class ParameterError(ValueError):

@@ -12,7 +12,8 @@ from annotated_types import MinLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
-from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor
+from posttrain.chain.errors import FormatError
+from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor, check_identity
 from posttrain.pipeline.blocks import InferenceDeployment, KubernetesCluster, LocalCluster, ObjectStore, SlurmCluster
 from posttrain.pipeline.promotion_settings import PromotionSettings
 from posttrain.pipeline.refs import ABSOLUTE, BLOCK_REF, block_ref, whole_value
@@ -94,6 +95,41 @@ class PublishSettings(BaseModel):
     delta_budget: float = Field(1.0, gt=0, description="Delta bytes allowed since a full snapshot, in full snapshots.")
     max_shard_size: int = Field(1 << 30, gt=0, description="Shard size limit in bytes.")
     retention: bool = Field(False, description="Delete chains superseded by a newer full snapshot.")
+
+
+class GcSettings(BaseModel):
+    """Retention across the runs of the store, as the run's last task (docs/retention.md): at most
+    one of gc_keep_runs and gc_keep_days; neither is no gc."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gc_keep_runs: int | None = Field(None, ge=1, description="At the end of the run, keep the newest N runs of the "
+                                     "store whole and delete what no kept or protected version needs; null: no gc.")
+    gc_keep_days: float | None = Field(None, gt=0, description="At the end of the run, keep whole every run that "
+                                       "published within D days (instead of gc_keep_runs); null: no gc.")
+    gc_protect: list[str] = Field(default_factory=list, description="Snapshot identities gc keeps with their chain "
+                                  "prefix, whatever their run (besides the promotion histories and what the "
+                                  "inference deployment serves, always kept).")
+
+    @field_validator("gc_protect")
+    @classmethod
+    def _identities(cls, v: list[str]) -> list[str]:
+        for i, identity in enumerate(v):
+            try:
+                check_identity(identity, f"gc_protect[{i}]")
+            except FormatError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> GcSettings:
+        if self.gc_keep_runs is not None and self.gc_keep_days is not None:
+            raise ValueError("gc_keep_runs and gc_keep_days: give at most one of them (neither: no gc)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.gc_keep_runs is not None or self.gc_keep_days is not None
 
 
 class LoraGroup(LoraSettings):
@@ -183,6 +219,7 @@ class NightlySettings(RunSettings):
                                          description="The eval gate of promote_to.")
 
     _promote_to = field_validator("promote_to", mode="before")(lambda cls, v: block_ref(v))
+    gc: GcSettings = Field(default_factory=GcSettings, description="Retention across runs, the run's last task.")
 
     @field_validator("trainer")
     @classmethod

@@ -7,9 +7,11 @@ The rule, one for the whole store (or one prefix of it):
    published a snapshot is left alone.
 2. The newest ``keep_runs`` runs, or every run with a publication within ``keep_days`` days,
    are kept whole.
-3. Protected versions are every version of a kept run and every identity in ``protect`` (what
-   the deployments serve, the promotion history). A protected version keeps its chain prefix:
-   its full snapshot and every delta up to it.
+3. Protected versions are every version of a kept run, every identity in ``protect``, every
+   identity the promotion histories in the store need (``history_roots``: each deployment's
+   champion stack, and the identity and ``previous`` of every promotion and rollback record; not
+   a refused candidate) and the caller's ``roots`` that the store has (what the deployments
+   serve). A protected version keeps its chain prefix: its full snapshot and every delta up to it.
 4. Every other snapshot of the other runs is deleted: whole chains, and the deltas after the
    newest protected version of a chain.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from posttrain.chain.checkpoint import INDEX_NAME
 from posttrain.chain.errors import ChainError
 from posttrain.chain.format import IDENTITY_RE, MAX_CHAIN_DELTAS, slime_dir
+from posttrain.promote.history import PROMOTIONS, History, HistoryError, champions, check_deployment
 from posttrain.publish.lease import GC_TTL, GcLease, RunBusy
 from posttrain.publish.ledger import RUN_NAME_RE, RUNS_PREFIX, Ledger, LedgerEntry
 from posttrain.storage import NotFound, Store
@@ -97,6 +100,15 @@ class GcPlan:
     doomed: list[Doomed]  # in deletion order
     planned: dict[str, set[str]]  # run -> its ledger's identities when planned
     whole: set[str]  # runs every snapshot of which goes
+    # the roots of ``protected`` and why each is kept ("kept run R", "history of D", "--protect",
+    # or the caller's reason), several reasons joined by "; "
+    protected_by: dict[str, str] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)  # roots named that the store lacks: nothing to keep
+
+    def held_back(self) -> dict[str, str]:
+        """The roots kept for another reason than being a version of a kept run: what the dry run lists."""
+        return {i: why for i, why in sorted(self.protected_by.items())
+                if any(not w.startswith("kept run ") for w in why.split("; "))}
 
     @property
     def total_bytes(self) -> int:
@@ -118,9 +130,42 @@ def run_names(store: Store) -> list[str]:
     return sorted(n for n in names if RUN_NAME_RE.fullmatch(n))
 
 
-def plan_gc(store: Store, config: GcConfig, *, now: float | None = None) -> GcPlan:
+def history_roots(store: Store) -> dict[str, str]:
+    """What the promotion histories in ``store`` need kept (identity -> "history of <deployment>"):
+    for each deployment folder ``.posttrain/promotions/<deployment>/``, the identities on its champion
+    stack (what ``rollback --to previous`` can reach), and the identity and ``previous`` of each
+    promotion and rollback record (a refusal's ``previous`` too: it was the champion; the refused
+    candidate is not kept). ``GcError`` naming the key for a record that cannot be read."""
+    folder = PROMOTIONS + "/"
+    deployments = sorted({rest.split("/", 1)[0] for key in store.list(folder)
+                          if "/" in (rest := key[len(folder):])})
+    out: dict[str, set[str]] = {}
+    for deployment in deployments:
+        try:
+            check_deployment(deployment)
+        except HistoryError:
+            continue  # not a history folder: not ours to read
+        try:
+            records = History(store, "", deployment).records()
+        except HistoryError as e:
+            text = " ".join(str(e).split())
+            raise GcError(f"promotion history of deployment {deployment}: {text}; gc stopped, nothing was deleted") \
+                from None
+        needed = set(champions(records))
+        for r in records:
+            needed.update(i for i in (None if r.kind == "refusal" else r.identity, r.previous) if i is not None)
+        for identity in needed:
+            out.setdefault(identity, set()).add(f"history of {deployment}")
+    return {i: "; ".join(sorted(why)) for i, why in out.items()}
+
+
+def plan_gc(store: Store, config: GcConfig, *, now: float | None = None,
+            roots: Mapping[str, str] | None = None) -> GcPlan:
     """What the rule deletes in ``store``, in deletion order; reads only. ``GcError`` for a protected
-    identity the store does not have (a typo would otherwise protect nothing)."""
+    identity the store does not have (a typo would otherwise protect nothing) and for a promotion
+    history record that cannot be read. ``roots`` (identity -> why, e.g. what a deployment serves)
+    are protected too where the store has them; the others are listed in ``GcPlan.absent``, as are
+    the identities the histories name that the store no longer has."""
     now = time.time() if now is None else now
     ledgers = {run: Ledger(store, run).entries() for run in run_names(store)}
     runs = sorted((RunSummary(run, max(e.published_at for e in es), len(es), False)
@@ -137,9 +182,23 @@ def plan_gc(store: Store, config: GcConfig, *, now: float | None = None) -> GcPl
             continue
         raise GcError(f"protected identity {identity!r} is not a snapshot in {store.uri} (no run's ledger has "
                       "it and it has no index): a typo? nothing was deleted")
-    roots = set(config.protect) | {e.identity for r in runs if r.kept for e in ledgers[r.run]}
+    needed_by_history = history_roots(store)  # a record that cannot be read stops gc here, before any delete
+    reasons: dict[str, list[str]] = {}
+    for r in runs:
+        for e in ledgers[r.run] if r.kept else ():
+            reasons.setdefault(e.identity, []).append(f"kept run {r.run}")
+    for identity in config.protect:
+        reasons.setdefault(identity, []).append("--protect")
+    absent: dict[str, str] = {}
+    for found in (needed_by_history, roots or {}):
+        for identity, why in sorted(found.items()):
+            if identity in owners or identity in reasons or \
+                    (IDENTITY_RE.fullmatch(identity) and store.exists(f"{identity}/{INDEX_NAME}")):
+                reasons.setdefault(identity, []).append(why)
+            else:
+                absent[identity] = "; ".join(filter(None, (absent.get(identity), why)))
     protected: set[str] = set()
-    for identity in roots:
+    for identity in reasons:
         protected.update(_prefix(store, identity, owners))
     doomed: list[Doomed] = []
     planned: dict[str, set[str]] = {}
@@ -153,7 +212,8 @@ def plan_gc(store: Store, config: GcConfig, *, now: float | None = None) -> GcPl
         doomed += _deletion_order(r.run, going, entries)
         if going and len(going) == len(entries):
             whole.add(r.run)
-    return GcPlan(store.uri, runs, protected, doomed, planned, whole)
+    protected_by = {i: "; ".join(dict.fromkeys(why)) for i, why in reasons.items()}
+    return GcPlan(store.uri, runs, protected, doomed, planned, whole, protected_by, absent)
 
 
 def _base(e: LedgerEntry, same_run: set[str]) -> str | None:

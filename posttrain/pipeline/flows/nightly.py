@@ -22,6 +22,7 @@ from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, chec
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table
+from posttrain.pipeline.tasks.retention import collect_garbage
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import cancel_submitted, submit, watch_job
 from posttrain.runs.once import completed_result, handled_before
@@ -89,6 +90,12 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
                 result.global_step)
     promotion = promote_last(settings, rows) if settings.promote_to and rows else None
+
+    # Retention across runs (gc_keep_runs / gc_keep_days): the run's last task. This run is the newest, so kept.
+    if settings.gc.enabled:
+        served_by = [ref for ref in (settings.inference, settings.promote_to) if ref]  # staging and production
+        collect_garbage(settings.store, settings.gc, [], inference=served_by, card=card)
+
     return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,
                          final_step=result.global_step, run_dir=str(run_dir),
                          promotion=promotion.model_dump() if promotion else None)

@@ -94,6 +94,13 @@ def snapshots_table(run_name: str, rows: list[dict]) -> None:
             lambda: create_table_artifact(rows, key=key, description=description))
 
 
+def gc_table(run_name: str, rows: list[dict], description: str) -> None:
+    """The snapshots the run's gc deleted (run, identity, kind, step, bytes), in deletion order."""
+    key = artifact_key(run_name, "gc")
+    _upsert(key, "table", json.dumps(rows), description,
+            lambda: create_table_artifact(rows, key=key, description=description))
+
+
 def progress(run_name: str) -> UUID:
     """The flow run's progress artifact: found again on a retry (which goes on from where it is)."""
     key = artifact_key(run_name, "training-progress")
