@@ -16,13 +16,13 @@ from posttrain.promote.history import History
 from posttrain.promote.promoter import Deployment, PromotionError, promote, rollback
 from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
 from posttrain.storage import open_store
-from tests.support.promotion import eval_rows, greedy_eval
+from tests.support.promotion import eval_rows, greedy_eval, served_identities
 from tests.support.serving import PREFIX, PROMPT, TOKEN, Api, start_server
 
 
 @pytest.fixture(scope="module")
 def rows(chain):
-    return eval_rows(chain)
+    return eval_rows(chain.models)
 
 
 @pytest.fixture
@@ -62,9 +62,7 @@ def gate_run(site, rows, tokenizer, candidate, *, gate=None, **eval_overrides):
 
 
 def served(api: Api) -> set[str]:
-    r = api.get("/v1alpha1/inference/hotLoads", params={"parentDeploymentId": "prod", "maxPageSize": 1})
-    return {x["currentSnapshotIdentity"] for x in api.get(
-        f"/v1alpha1/inference/hotLoads/{r.json()['hotLoads'][0]['spec']['id']}/replicas").json()["replicas"]}
+    return served_identities(api, "prod")
 
 
 def test_better_is_promoted_worse_refused_and_rollback_restores_the_previous_champion(chain, site, rows, tokenizer):

@@ -1,13 +1,16 @@
-"""Fixtures of the eval gate's tests: an eval set whose references are m2's greedy answers (so m2
-scores 1.0, m1 and m0 far less under ``posttrain.testing.rewards:reference_match``), and
-promotion settings that evaluate greedily."""
+"""Fixtures of the eval gate's tests: an eval set whose references are one model's greedy answers
+(the reference chain's m2 by default, so m2 scores 1.0, m1 and m0 far less under
+``posttrain.testing.rewards:reference_match``), promotion settings that evaluate greedily, and
+what a deployment's replicas report serving. Any chain of model folders will do (the reference
+servers' ``chain`` fixture, or the vLLM tests' models)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
-from tests.support.serving import Chain, local_greedy
+from tests.support.serving import local_greedy
 
 REWARD = "posttrain.testing.rewards:reference_match"
 EVAL_PROMPTS = 10
@@ -15,24 +18,26 @@ MAX_TOKENS = 6
 QUESTIONS = ["What is {a} plus {b}?", "Name the color of item {a}.", "Count to {b}.", "Say hello to {a} and {b}."]
 
 
-def eval_rows(chain: Chain, *, reference: int = 2, prompts: int = EVAL_PROMPTS) -> list[dict]:
-    """Eval prompts whose ``reference_ids`` are model ``reference``'s greedy continuation."""
+def eval_rows(models: Sequence[Path], *, reference: int = 2, prompts: int = EVAL_PROMPTS,
+              max_tokens: int = MAX_TOKENS) -> list[dict]:
+    """Eval prompts (chat messages; the chat template of ``models[0]``'s tokenizer) whose
+    ``reference_ids`` are the greedy continuation of ``models[reference]`` under transformers."""
     from transformers import AutoTokenizer
 
     from posttrain.rollouts.shard import chat_prompt_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(chain.models[0])
+    tokenizer = AutoTokenizer.from_pretrained(models[0])
     rows = []
     for i in range(prompts):
         messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)].format(a=i + 2, b=2 * i + 3)}]
         ids = chat_prompt_ids(tokenizer, messages)
         rows.append({"prompt": messages, "id": f"q{i:02d}",
-                     "reference_ids": local_greedy(chain.models[reference], ids, max_tokens=MAX_TOKENS)})
+                     "reference_ids": local_greedy(models[reference], ids, max_tokens=max_tokens)})
     return rows
 
 
-def write_eval_set(chain: Chain, path: Path, **kw) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in eval_rows(chain, **kw)))
+def write_eval_set(models: Sequence[Path], path: Path, **kw) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in eval_rows(models, **kw)))
     return path
 
 
@@ -40,3 +45,13 @@ def greedy_eval(**overrides) -> dict:
     """EvalSettings values: greedy (a temperature under 1e-5 samples greedily, here and in vLLM)."""
     return {"samples_per_prompt": 2, "max_tokens": MAX_TOKENS, "temperature": 1e-6, "reward_funcs": [REWARD],
             **overrides}
+
+
+def served_identities(api, deployment: str) -> set[str]:
+    """The snapshot identities the replicas of ``deployment`` report serving (``api``: a
+    ``tests.support.serving.Api`` on its server), per its latest hot-load."""
+    r = api.get("/v1alpha1/inference/hotLoads", params={"parentDeploymentId": deployment, "maxPageSize": 1})
+    assert r.status_code == 200, r.text
+    op_id = r.json()["hotLoads"][0]["spec"]["id"]
+    replicas = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"]
+    return {x["currentSnapshotIdentity"] for x in replicas}
