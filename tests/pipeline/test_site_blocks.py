@@ -18,7 +18,7 @@ from posttrain.pipeline.deployments.site_blocks import BlocksFileError, load_blo
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "blocks.yaml"
 SECRETS = {"CW_ACCESS_KEY_ID": "AKIAEXAMPLEKEY123456", "CW_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-example-secret",
-           "POSTTRAIN_GATEWAY_TOKEN": "gateway-token-0123456789"}
+           "POSTTRAIN_GATEWAY_TOKEN": "gateway-token-0123456789", "POSTTRAIN_PROD_GATEWAY_TOKEN": "prod-token-9876543210"}
 
 
 def _write(tmp_path: Path, doc: dict) -> Path:
@@ -35,7 +35,7 @@ def test_the_example_file_is_valid_and_reads_its_secrets_from_the_environment():
     blocks = {b.ref: b.block for b in load_blocks_file(EXAMPLE, SECRETS)}
     assert set(blocks) == {"posttrain-slurm-cluster/default", "posttrain-kubernetes-cluster/default",
                            "posttrain-local-cluster/default", "posttrain-object-store/default",
-                           "posttrain-inference-deployment/default"}
+                           "posttrain-inference-deployment/default", "posttrain-inference-deployment/production"}
     assert isinstance(blocks["posttrain-slurm-cluster/default"].settings, SlurmConfig)
     assert isinstance(blocks["posttrain-kubernetes-cluster/default"].settings, KubernetesConfig)
     store = blocks["posttrain-object-store/default"]
@@ -46,6 +46,9 @@ def test_the_example_file_is_valid_and_reads_its_secrets_from_the_environment():
     assert inference.token.get_secret_value() == SECRETS["POSTTRAIN_GATEWAY_TOKEN"]
     # a posttrain serve gateway takes its hot-loads at its own URL, not CoreWeave's default
     assert inference.api_url == inference.gateway_url
+    production = blocks["posttrain-inference-deployment/production"]  # the promote deployment's default
+    assert production.token.get_secret_value() == SECRETS["POSTTRAIN_PROD_GATEWAY_TOKEN"]
+    assert production.deployment_id != inference.deployment_id  # its history is its own
 
 
 def test_the_example_sets_every_field_a_site_must_set():
