@@ -80,6 +80,13 @@ class InferenceServer:
             self.httpd.server_activate()
         except BaseException:
             self.httpd.server_close()
+            # what _open had opened before the failure: an engine's processes would outlive the error
+            for opened in ("engine", "store"):
+                if getattr(self, opened, None) is not None:
+                    try:
+                        getattr(self, opened).close()
+                    except Exception:  # noqa: BLE001, S110 - the start error is the one to raise
+                        pass
             if getattr(self, "_work_lock", None) is not None:
                 self._work_lock.release()
             raise
