@@ -20,16 +20,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def demo_settings(work: Path, base_model: Path, dataset: Path, *, steps: int, rounds: int):
+PRODUCTION = "posttrain-inference-deployment/production"
+REWARDS = ["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"]
+# The eval gate of the demo: 16 held-out prompts, 2 samples each, the runs' rewards.
+GATE = {"eval_samples_per_prompt": 2, "eval_max_tokens": 8}
+
+
+def demo_settings(work: Path, base_model: Path, dataset: Path, *, steps: int, rounds: int, eval_dataset: Path):
     from posttrain.pipeline.settings import GrpoSettings, NightlySettings
 
-    rewards = ["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"]
+    rewards = REWARDS
     nightly = NightlySettings(
         run_name="demo-nightly", base_model=str(base_model), dataset=str(dataset), shared_dir=str(work / "shared"),
         trainer={"reward_funcs": rewards, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
                  "num_generations": 4, "max_completion_length": 8, "max_steps": steps, "save_steps": 1,
                  "use_cpu": True},
-        watch_poll_s=0.5,
+        watch_poll_s=0.5, promote_to=PRODUCTION, promotion={"eval_dataset": str(eval_dataset), **GATE},
     )
     grpo = GrpoSettings(
         run_name="demo-grpo", base_model=str(base_model), dataset=str(dataset), shared_dir=str(work / "shared"),
@@ -59,17 +65,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]posttrain demo[/] in {work}")
     base = build_tiny_model(work / "models" / "tiny-base", seed=0)
     dataset = write_toy_jsonl(work / "data" / "prompts.jsonl", n=32, seed=0, task="mixed")
+    eval_dataset = write_toy_jsonl(work / "data" / "eval.jsonl", n=16, seed=1, task="mixed")  # held out
     store = work / "store"
     token = secrets.token_urlsafe(24)
-    server = InferenceServer(ServeConfig(model_dir=base, served_model_name="tiny", port=0,
-                                         deployment_id="posttrain-demo", store=str(store), token=token,
-                                         work_dir=work / "inference", device="cpu"))
-    server.start()
+    servers = [InferenceServer(ServeConfig(model_dir=base, served_model_name="tiny", port=0, deployment_id=name,
+                                           store=str(store), token=token, work_dir=work / name, device="cpu"))
+               for name in ("posttrain-demo", "posttrain-demo-production")]
+    server, production = servers
+    for s in servers:
+        s.start()
     try:
-        console.print(f"reference inference server on {server.url} (deployment posttrain-demo)")
+        console.print(f"reference inference servers: staging {server.url} (deployment posttrain-demo), production "
+                      f"{production.url} (posttrain-demo-production)")
         save_default_blocks(store_dir=store, server_url=server.url, deployment_id="posttrain-demo", model="tiny",
                             token=token)
-        nightly_settings, grpo_settings = demo_settings(work, base, dataset, steps=args.steps, rounds=args.rounds)
+        _save_production(production.url, token)
+        nightly_settings, grpo_settings = demo_settings(work, base, dataset, steps=args.steps, rounds=args.rounds,
+                                                        eval_dataset=eval_dataset)
 
         from posttrain.pipeline.flows.grpo import grpo
         from posttrain.pipeline.flows.nightly import nightly_post_training
@@ -82,6 +94,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for row in nightly.snapshots:
             table.add_row(*(str(v) for v in row.values()))
         console.print(table)
+        gate = nightly.promotion
+        console.print(f"promotion to production: {'promoted' if gate['promoted'] else 'refused'} "
+                      f"{gate['candidate']}: {gate['reason']}")
 
         report = grpo(**to_parameters(grpo_settings))
         table = Table(title="GRPO rounds")
@@ -90,13 +105,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for row in report.rounds:
             table.add_row(*(str(v) for v in row.values()))
         console.print(table)
+        gate = _promote(work, base, eval_dataset, report.final_snapshot)
+        console.print(f"promotion to production: {'promoted' if gate.promoted else 'refused'} {gate.candidate}: "
+                      f"{gate.reason}")
     finally:
-        server.shutdown()
-    console.print(f"the deployment serves {report.final_snapshot}; final policy at {report.final_checkpoint}")
+        for s in servers:
+            s.shutdown()
+    console.print(f"staging serves {report.final_snapshot}; production serves "
+                  f"{gate.candidate if gate.promoted else gate.champion}; final policy at {report.final_checkpoint}")
     console.print("[bold]where to look[/]:")
     console.print(f"  run folders      {work / 'shared' / 'runs'}")
     console.print(f"  snapshot chain   {store}  (posttrain chain inspect {store})")
     console.print(f"  reward curve     {report.reward_curve}")
+    console.print(f"  promotions       posttrain history --store {store} --deployment posttrain-demo-production")
     import os
 
     api = os.environ.get("PREFECT_API_URL")
@@ -104,3 +125,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(f"  Prefect UI       {api.removesuffix('/api')}  (flow runs, artifacts: tables, progress, "
                       "reward curve)")
     return 0
+
+
+def _save_production(url: str, token: str) -> None:
+    from posttrain.pipeline.blocks import InferenceDeployment
+
+    InferenceDeployment(api_url=url, gateway_url=url, deployment_id="posttrain-demo-production", model="tiny",
+                        token=token, timeout_s=300, poll_interval_s=0.2).save(PRODUCTION.split("/")[1], overwrite=True)
+
+
+def _promote(work: Path, base: Path, eval_dataset: Path, candidate: str):
+    """GRPO's last snapshot through the eval gate, against what the nightly pass promoted."""
+    from posttrain.pipeline.flows.promote import promote
+    from posttrain.pipeline.parameters import to_parameters
+    from posttrain.pipeline.promotion_settings import PromoteSettings
+
+    settings = PromoteSettings(production=PRODUCTION, candidate=candidate, tokenizer=str(base),
+                               shared_dir=str(work / "shared"),
+                               promotion={"eval_dataset": str(eval_dataset), "eval_reward_funcs": REWARDS, **GATE})
+    return promote(**to_parameters(settings))

@@ -118,8 +118,9 @@ class Decision(BaseModel):
     def from_json(cls, data: str | bytes) -> Decision:
         return cls.model_validate_json(data)
 
-    def markdown_table(self) -> str:
-        """The decision as a Markdown table (a Prefect artifact)."""
+    def markdown_table(self, *, reason: bool = True) -> str:
+        """The decision as a Markdown table (a Prefect artifact); without the reason's row when the
+        page shows it already (a long line runs off the UI's table)."""
         pct = f"{self.confidence * 100:g}%"
 
         def num(x: float | None, iv: Interval | None = None, signed: bool = False) -> str:
@@ -141,7 +142,7 @@ class Decision(BaseModel):
              "-" if self.lower_bound is None else
              f"{self.lower_bound:+.3f} {'>' if self.accepted else '<='} {self.threshold:+.3f} (threshold)"),
             ("Bootstrap", f"{self.bootstrap_samples} resamples of the prompts, seed {self.seed}"),
-            ("Reason", self.reason.replace("|", "\\|")),
+            *([("Reason", self.reason.replace("|", "\\|"))] if reason else []),
         ]
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 

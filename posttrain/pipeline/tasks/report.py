@@ -247,7 +247,7 @@ def promotion_report(key: str, production: str, promotion) -> None:
     record = f"history record #{promotion.record.seq}" if promotion.record else "nothing new recorded"
     reason = promotion.record.reason if promotion.record else d.reason
     markdown = (f"### {'Promoted' if d.accepted else 'Refused'}: `{d.candidate}` for {production}\n\n"
-                f"{reason}\n\n{d.markdown_table()}\n\n![the two means with their intervals]({url})\n\n"
+                f"{reason}\n\n{d.markdown_table(reason=False)}\n\n![the two means with their intervals]({url})\n\n"
                 f"Champion before: `{d.champion or 'none'}`; {record}.\n")
     description = f"Eval gate of {production}: {'accepted' if d.accepted else 'refused'} {d.candidate}"
     create_markdown_artifact(markdown, key=artifact_key(key, "promotion"), description=description)
