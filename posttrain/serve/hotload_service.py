@@ -5,6 +5,8 @@ load downloads what the identity needs, reconstructs it beside the served weight
 and swaps the model; anything that goes wrong leaves the old weights serving and the
 operation FAILED with the reason in its conditions. The status also reports the seconds
 of each stage (``stageSeconds``: fetch, apply, load; the swap is part of load), an addition of posttrain's own.
+With ``metrics``, every finished load is counted by outcome and reason, and the seconds of its finer
+stages (``stages``: fetch, apply, validate, switch, probe; the engine marks the last three) observed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -48,7 +51,11 @@ from posttrain.inference.protocol import (
 from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FaultBox
 from posttrain.serve.operations import Operation, Replica, ServiceError, condition, page
+from posttrain.serve.stages import StageTimes, stage, timing_stages
 from posttrain.serve.state import ServerState, load_state, save_state
+
+if TYPE_CHECKING:
+    from posttrain.serve.metrics import ServeMetrics
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
@@ -71,6 +78,7 @@ class HotLoadService:
         work_dir: Path,
         faults: FaultBox | None = None,
         boot_dir: Path | None = None,
+        metrics: ServeMetrics | None = None,
     ):
         self.deployment_id = deployment_id
         self.source = source
@@ -78,11 +86,13 @@ class HotLoadService:
         self.work_dir = work_dir
         self.faults = faults or FaultBox()
         self.boot_dir = boot_dir
+        self.metrics = metrics
         self.creates: Counter[str] = Counter()  # accepted creates per identity (test hooks report it)
         self._lock = threading.Lock()
         self._ops: dict[str, Operation] = {}
         self._seq = 0
         self._threads: list[threading.Thread] = []
+        self._times: dict[str, StageTimes] = {}  # the stage seconds of the loads running, by operation id
         self.resumed = self._resume()  # the version a restart reloaded; None: booted clean
         identity = engine.current().identity
         self._replicas = [Replica(name, "local-a", REPLICA_READY, identity) for name in engine.replica_names]
@@ -142,6 +152,10 @@ class HotLoadService:
 
     def replicas(self, op_id: str, page_size: int | None, page_token: str | None) -> tuple[list[Replica], str]:
         self.get(op_id)
+        return page(self.replica_states(), ("replicas", op_id), page_size, page_token)
+
+    def replica_states(self) -> list[Replica]:
+        """Each replica's state and version now, as the API reports them (copies; sorted by zone, name)."""
         broken = self.engine.replica_errors()  # an engine that died since: ERROR until it serves again
         with self._lock:
             reps = [Replica(**vars(r)) for r in self._replicas]
@@ -149,7 +163,7 @@ class HotLoadService:
             if r.name in broken:
                 r.state, r.error_reason = REPLICA_ERROR, broken[r.name]
         reps.sort(key=lambda r: (r.zone, r.name))
-        return page(reps, ("replicas", op_id), page_size, page_token)
+        return reps
 
     def cancel(self, op_id: str) -> None:
         self.get(op_id)
@@ -245,6 +259,8 @@ class HotLoadService:
         return dict(meta)
 
     def _set(self, op: Operation, state: str) -> None:
+        if state in TERMINAL_STATES:
+            self._count(op, state)
         with self._lock:
             op.state = state
             if state in TERMINAL_STATES:
@@ -260,6 +276,28 @@ class HotLoadService:
                     r.state, r.identity, r.error_reason = state, identity, error
 
     def _run(self, op: Operation) -> None:
+        with timing_stages() as times:
+            self._times[op.id] = times
+            try:
+                self._load(op)
+            finally:
+                self._times.pop(op.id, None)
+
+    def _count(self, op: Operation, state: str) -> None:
+        """Count a load finishing in ``state`` (before its state says so: whoever sees it finished finds it
+        counted)."""
+        times = self._times.pop(op.id, None)
+        if self.metrics is None or times is None:
+            return
+        completed = state == STATE_COMPLETED
+        with self._lock:
+            reason = op.conditions[-1]["reason"] if op.conditions and not completed else ""
+        try:
+            self.metrics.hotload_finished(completed, reason or "Unknown", dict(times.seconds))
+        except Exception:  # noqa: BLE001 - the figures never break a load
+            log.exception("hot-load %s: recording its metrics failed", op.id)
+
+    def _load(self, op: Operation) -> None:
         t0 = time.perf_counter()
         before = self.engine.current()
         self._set(op, STATE_RUNNING)
@@ -294,13 +332,15 @@ class HotLoadService:
                 return
             fetched = list(plan.snapshots)
             t = time.perf_counter()
-            for identity in plan.snapshots:
-                self.source.fetch(identity)
+            with stage("fetch"):
+                for identity in plan.snapshots:
+                    self.source.fetch(identity)
             t = self._stage(op, "fetch", t)
-            self.source.view(plan, before.identity, before.path, view)
-            from posttrain.chain.ops import reconstruct
+            with stage("apply"):  # checksums are checked as the files are decoded: part of apply
+                self.source.view(plan, before.identity, before.path, view)
+                from posttrain.chain.ops import reconstruct
 
-            reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
+                reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
             t = self._stage(op, "apply", t)
             now = self.engine.load(out, op.identity)
             if self._unresumed is not None:  # a version served now: the one a restart could not resume goes

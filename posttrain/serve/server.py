@@ -4,6 +4,8 @@ Routes (every one needs ``Authorization: Bearer <token>``):
 
 - ``POST /v1/completions``: token-id prompts, ``n`` choices sampled in one batch, per-token log-probs;
 - ``GET /v1/models``, ``GET /health``;
+- ``GET /metrics`` (Prometheus, docs/metrics.md), unless ``metrics_port`` serves it on a port of its
+  own: there without the token when the server binds loopback only or ``metrics_no_auth`` is set;
 - the hot-load API of docs/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
 - with test hooks only: ``POST|DELETE /_test/faults`` and ``GET /_test/stats``.
 
@@ -20,6 +22,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -43,7 +46,9 @@ from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
 from posttrain.serve.http_body import read_body
-from posttrain.serve.serve_config import ServeConfig
+from posttrain.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from posttrain.serve.metrics import PublishTimes, ServeMetrics
+from posttrain.serve.serve_config import ServeConfig, metrics_need_token
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
@@ -70,16 +75,31 @@ class InferenceServer:
         self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self), bind_and_activate=False)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self.metrics_httpd: ThreadingHTTPServer | None = None
+        self._metrics_thread: threading.Thread | None = None
         try:
             try:
                 self.httpd.server_bind()
             except OSError as e:
                 raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
                                       f"{e.strerror or e}") from None
+            if config.metrics_port is not None:
+                self.metrics_httpd = ThreadingHTTPServer((config.host, config.metrics_port), _metrics_handler_for(self),
+                                                         bind_and_activate=False)
+                self.metrics_httpd.daemon_threads = True
+                try:
+                    self.metrics_httpd.server_bind()
+                except OSError as e:
+                    raise ServeStartError(f"metrics port {config.metrics_port} (--metrics-port): cannot listen on "
+                                          f"{config.host}:{config.metrics_port}: {e.strerror or e}") from None
             self._open(config, engine)
             self.httpd.server_activate()
+            if self.metrics_httpd is not None:
+                self.metrics_httpd.server_activate()
         except BaseException:
             self.httpd.server_close()
+            if self.metrics_httpd is not None:
+                self.metrics_httpd.server_close()
             # what _open had opened before the failure: an engine's processes would outlive the error
             for opened in ("engine", "store"):
                 if getattr(self, opened, None) is not None:
@@ -113,6 +133,8 @@ class InferenceServer:
         self.model_name = self.engine.model_name
         self.test_hooks = config.test_hooks or bool(config.faults)
         self.faults = FaultBox(config.faults)
+        self.metrics = ServeMetrics()  # a registry of its own: servers in one process keep their figures apart
+        self.metrics_need_token = metrics_need_token(config)
         self.service = HotLoadService(
             deployment_id=config.deployment_id,
             source=SnapshotSource(self.store, config.prefix, self.work_dir / "cache"),
@@ -120,7 +142,9 @@ class InferenceServer:
             work_dir=self.work_dir,
             faults=self.faults,
             boot_dir=config.model_dir,
+            metrics=self.metrics,
         )
+        self.metrics.watch(self.service, self.engine, PublishTimes(self.store, config.prefix))
         self._token = config.token.get_secret_value().encode()
 
     @property
@@ -128,17 +152,38 @@ class InferenceServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """Where /metrics is served: the metrics port's URL, else the main one's."""
+        if self.metrics_httpd is None:
+            return self.url
+        host, port = self.metrics_httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
     def start(self) -> InferenceServer:
         """Serve in a background thread."""
+        self._start_metrics()
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="posttrain-serve", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
+        self._start_metrics()
         self.httpd.serve_forever(poll_interval=0.05)
 
+    def _start_metrics(self) -> None:
+        if self.metrics_httpd is not None and self._metrics_thread is None:
+            self._metrics_thread = threading.Thread(target=self.metrics_httpd.serve_forever,
+                                                    kwargs={"poll_interval": 0.05}, name="posttrain-metrics",
+                                                    daemon=True)
+            self._metrics_thread.start()
+
     def shutdown(self) -> None:
+        if self.metrics_httpd is not None:
+            if self._metrics_thread is not None:
+                self.metrics_httpd.shutdown()
+            self.metrics_httpd.server_close()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.service.wait(timeout=30)
@@ -174,6 +219,46 @@ def open_engine(config: ServeConfig) -> Engine:
     return ReferenceEngine(config)
 
 
+def _metrics_handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(_MetricsHandler):
+        pass
+
+    Handler.app = app
+    return Handler
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """The metrics port: ``GET /metrics`` only (with the token unless ``metrics_need_token`` is false)."""
+
+    app: InferenceServer
+    server_version = "posttrain-serve"
+    timeout = 30
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        path = urlsplit(self.path).path
+        if path != "/metrics":
+            _send_text(self, 404, b"only /metrics here\n")
+        elif self.app.metrics_need_token and not self.app.authorized(self.headers.get("Authorization")):
+            _send_text(self, 401, b"missing or wrong bearer token (Authorization: Bearer <token>)\n",
+                       {"WWW-Authenticate": "Bearer"})
+        else:
+            _send_text(self, 200, self.app.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s %s", self.address_string(), format % args)  # a scrape every few seconds: not at info
+
+
+def _send_text(handler: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str] | None = None,
+               content_type: str = "text/plain; charset=utf-8") -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(data)))
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def _handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:
     class Handler(_Handler):
         pass
@@ -191,6 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
         ("GET", re.compile(r"^/health$"), "health"),
         ("GET", re.compile(r"^/v1/models$"), "models"),
         ("POST", re.compile(r"^/v1/completions$"), "completions"),
+        ("GET", re.compile(r"^/metrics$"), "metrics"),
         ("POST", re.compile(rf"^{API_PREFIX}$"), "create"),
         ("GET", re.compile(rf"^{API_PREFIX}$"), "list"),
         ("GET", re.compile(rf"^{API_PREFIX}/(?P<id>[^/:]+)$"), "get"),
@@ -233,6 +319,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if match and m == method:
                     if name in ("add_faults", "clear_faults", "stats") and not self.app.test_hooks:
                         break
+                    if name == "metrics" and self.app.metrics_httpd is not None:
+                        break  # served on the metrics port
                     getattr(self, f"_{name}")(**match.groupdict())
                     return
             if openai:
@@ -314,7 +402,19 @@ class _Handler(BaseHTTPRequestHandler):
         }]})
 
     def _completions(self) -> None:
-        self._send(200, self.app.engine.complete(self._body()))
+        t0, status, reply = time.perf_counter(), 500, None
+        try:
+            reply = self.app.engine.complete(self._body())
+            status = 200
+        except RequestError as e:
+            status = e.status
+            raise
+        finally:
+            self.app.metrics.completion(status, time.perf_counter() - t0, reply)
+        self._send(200, reply)
+
+    def _metrics(self) -> None:
+        _send_text(self, 200, self.app.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
 
     def _create(self) -> None:
         body = self._body()
