@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from posttrain import redact
     from posttrain.cli import UsageError
-    from posttrain.serve.serve_config import ServeConfig, read_token
+    from posttrain.serve.serve_config import ServeConfig, metrics_need_token, read_token
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -144,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"posttrain serve: {server.model_name} for deployment {config.deployment_id} on {server.url}", flush=True)
     if server.metrics_httpd is not None:
         print(f"posttrain serve: /metrics on {server.metrics_url}/metrics"
-              f"{'' if server.metrics_need_token else ' (no token)'}", flush=True)
+              f"{'' if metrics_need_token(config) else ' (no token)'}", flush=True)
     if server.service.resumed is not None:
         print(f"posttrain serve: resumed {server.service.resumed}, the version served before the restart "
               f"(recorded in {server.work_dir})", flush=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from posttrain import redact
 from posttrain.inference.protocol import REPLICA_ERROR, REPLICA_LOADING, REPLICA_READY
+from posttrain.serve.completions import RequestError
 from posttrain.serve.stages import STAGES
 
 if TYPE_CHECKING:
@@ -125,7 +128,20 @@ class ServeMetrics:
         for name, seconds in stage_seconds.items():
             self.stage_seconds.labels(stage=name).observe(seconds)
 
-    def completion(self, status: int, seconds: float, reply: dict | None) -> None:
+    @contextmanager
+    def completion(self) -> Iterator[_Completion]:
+        """Count the completions request the block answers (``.reply``: the answer), or its error's status."""
+        counted, t0, status = _Completion(), time.perf_counter(), 500
+        try:
+            yield counted
+            status = 200
+        except RequestError as e:
+            status = e.status
+            raise
+        finally:
+            self.completed(status, time.perf_counter() - t0, counted.reply)
+
+    def completed(self, status: int, seconds: float, reply: dict | None) -> None:
         self.requests.labels(status=str(status)).inc()
         self.latency.observe(seconds)
         usage = reply.get("usage") if isinstance(reply, dict) else None
@@ -137,6 +153,10 @@ class ServeMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Completion:
+    reply: dict | None = None
 
 
 class _ServedCollector:

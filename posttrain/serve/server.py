@@ -4,8 +4,7 @@ Routes (every one needs ``Authorization: Bearer <token>``):
 
 - ``POST /v1/completions``: token-id prompts, ``n`` choices sampled in one batch, per-token log-probs;
 - ``GET /v1/models``, ``GET /health``;
-- ``GET /metrics`` (Prometheus, docs/metrics.md), unless ``metrics_port`` serves it on a port of its
-  own: there without the token when the server binds loopback only or ``metrics_no_auth`` is set;
+- ``GET /metrics`` (Prometheus, docs/metrics.md), unless ``metrics_port`` serves it (``metrics_http``);
 - the hot-load API of docs/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
 - with test hooks only: ``POST|DELETE /_test/faults`` and ``GET /_test/stats``.
 
@@ -22,7 +21,6 @@ import shutil
 import socket
 import tempfile
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -46,9 +44,9 @@ from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
 from posttrain.serve.http_body import read_body
-from posttrain.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from posttrain.serve.metrics import PublishTimes, ServeMetrics
-from posttrain.serve.serve_config import ServeConfig, metrics_need_token
+from posttrain.serve.metrics_http import MetricsPort, send_metrics
+from posttrain.serve.serve_config import ServeConfig
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
@@ -75,8 +73,7 @@ class InferenceServer:
         self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self), bind_and_activate=False)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
-        self.metrics_httpd: ThreadingHTTPServer | None = None
-        self._metrics_thread: threading.Thread | None = None
+        self.metrics_httpd: MetricsPort | None = None
         try:
             try:
                 self.httpd.server_bind()
@@ -84,22 +81,15 @@ class InferenceServer:
                 raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
                                       f"{e.strerror or e}") from None
             if config.metrics_port is not None:
-                self.metrics_httpd = ThreadingHTTPServer((config.host, config.metrics_port), _metrics_handler_for(self),
-                                                         bind_and_activate=False)
-                self.metrics_httpd.daemon_threads = True
-                try:
-                    self.metrics_httpd.server_bind()
-                except OSError as e:
-                    raise ServeStartError(f"metrics port {config.metrics_port} (--metrics-port): cannot listen on "
-                                          f"{config.host}:{config.metrics_port}: {e.strerror or e}") from None
+                self.metrics_httpd = MetricsPort(self, config.host, config.metrics_port, ServeStartError)
             self._open(config, engine)
             self.httpd.server_activate()
             if self.metrics_httpd is not None:
-                self.metrics_httpd.server_activate()
+                self.metrics_httpd.activate()
         except BaseException:
             self.httpd.server_close()
             if self.metrics_httpd is not None:
-                self.metrics_httpd.server_close()
+                self.metrics_httpd.close()
             # what _open had opened before the failure: an engine's processes would outlive the error
             for opened in ("engine", "store"):
                 if getattr(self, opened, None) is not None:
@@ -134,7 +124,6 @@ class InferenceServer:
         self.test_hooks = config.test_hooks or bool(config.faults)
         self.faults = FaultBox(config.faults)
         self.metrics = ServeMetrics()  # a registry of its own: servers in one process keep their figures apart
-        self.metrics_need_token = metrics_need_token(config)
         self.service = HotLoadService(
             deployment_id=config.deployment_id,
             source=SnapshotSource(self.store, config.prefix, self.work_dir / "cache"),
@@ -155,35 +144,25 @@ class InferenceServer:
     @property
     def metrics_url(self) -> str:
         """Where /metrics is served: the metrics port's URL, else the main one's."""
-        if self.metrics_httpd is None:
-            return self.url
-        host, port = self.metrics_httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.url if self.metrics_httpd is None else self.metrics_httpd.url
 
     def start(self) -> InferenceServer:
         """Serve in a background thread."""
-        self._start_metrics()
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="posttrain-serve", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
-        self._start_metrics()
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.start()
         self.httpd.serve_forever(poll_interval=0.05)
-
-    def _start_metrics(self) -> None:
-        if self.metrics_httpd is not None and self._metrics_thread is None:
-            self._metrics_thread = threading.Thread(target=self.metrics_httpd.serve_forever,
-                                                    kwargs={"poll_interval": 0.05}, name="posttrain-metrics",
-                                                    daemon=True)
-            self._metrics_thread.start()
 
     def shutdown(self) -> None:
         if self.metrics_httpd is not None:
-            if self._metrics_thread is not None:
-                self.metrics_httpd.shutdown()
-            self.metrics_httpd.server_close()
+            self.metrics_httpd.close()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.service.wait(timeout=30)
@@ -217,46 +196,6 @@ def open_engine(config: ServeConfig) -> Engine:
     from posttrain.serve.reference import ReferenceEngine
 
     return ReferenceEngine(config)
-
-
-def _metrics_handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(_MetricsHandler):
-        pass
-
-    Handler.app = app
-    return Handler
-
-
-class _MetricsHandler(BaseHTTPRequestHandler):
-    """The metrics port: ``GET /metrics`` only (with the token unless ``metrics_need_token`` is false)."""
-
-    app: InferenceServer
-    server_version = "posttrain-serve"
-    timeout = 30
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        path = urlsplit(self.path).path
-        if path != "/metrics":
-            _send_text(self, 404, b"only /metrics here\n")
-        elif self.app.metrics_need_token and not self.app.authorized(self.headers.get("Authorization")):
-            _send_text(self, 401, b"missing or wrong bearer token (Authorization: Bearer <token>)\n",
-                       {"WWW-Authenticate": "Bearer"})
-        else:
-            _send_text(self, 200, self.app.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
-        log.debug("%s %s", self.address_string(), format % args)  # a scrape every few seconds: not at info
-
-
-def _send_text(handler: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str] | None = None,
-               content_type: str = "text/plain; charset=utf-8") -> None:
-    handler.send_response(status)
-    handler.send_header("Content-Type", content_type)
-    handler.send_header("Content-Length", str(len(data)))
-    for k, v in (headers or {}).items():
-        handler.send_header(k, v)
-    handler.end_headers()
-    handler.wfile.write(data)
 
 
 def _handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:
@@ -402,19 +341,12 @@ class _Handler(BaseHTTPRequestHandler):
         }]})
 
     def _completions(self) -> None:
-        t0, status, reply = time.perf_counter(), 500, None
-        try:
-            reply = self.app.engine.complete(self._body())
-            status = 200
-        except RequestError as e:
-            status = e.status
-            raise
-        finally:
-            self.app.metrics.completion(status, time.perf_counter() - t0, reply)
-        self._send(200, reply)
+        with self.app.metrics.completion() as counted:
+            counted.reply = self.app.engine.complete(self._body())
+        self._send(200, counted.reply)
 
     def _metrics(self) -> None:
-        _send_text(self, 200, self.app.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
+        send_metrics(self, self.app.metrics)
 
     def _create(self) -> None:
         body = self._body()
