@@ -34,7 +34,7 @@ def gateway(chain, tmp_path_factory):
 
 
 def _served(prometheus, instance: str) -> set[str]:
-    return {s["metric"]["identity"] for s in
+    return {s["metric"].get("identity", "") for s in
             prometheus.query(f'posttrain_replica_snapshot_info{{instance="{instance}"}}')}
 
 
@@ -68,7 +68,7 @@ def test_prometheus_sees_two_hot_loads_and_a_refused_one(gateway, chain, prometh
     sel = f'instance="{instance}"'
     window = f"[{int(time.time() - started) + 30}s]"
     # the served identity changed twice: three identities over the run (boot, full, delta), one now
-    seen = {s["metric"]["identity"] for s in prometheus.query(
+    seen = {s["metric"].get("identity", "") for s in prometheus.query(
         f"count by (identity) (count_over_time(posttrain_replica_snapshot_info{{{sel}}}{window}))")}
     assert seen == boot | {full, delta}
     assert _served(prometheus, instance) == {delta}
