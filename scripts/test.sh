@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv, start every service the tests need on 127.0.0.1 (single-node Slurm with
-# accounting, SeaweedFS S3, PostgreSQL and a Prefect server on it; vLLM's venv), run the whole test
+# accounting, SeaweedFS S3, PostgreSQL and a Prefect server on it, Prometheus; vLLM's venv), run the whole test
 # suite, stop what it started.
 #   PYTEST_ARGS           extra pytest arguments (e.g. "-k chain -x")
 #   POSTTRAIN_TEST_WORKERS  pytest-xdist workers (default 2): the Prefect and Slurm tests run in one,
@@ -40,6 +40,10 @@ start slurm
 start s3
 if [ "$POSTTRAIN_PREFECT_DB" = postgres ]; then start postgres; fi
 start prefect
+export POSTTRAIN_PROMETHEUS_PORT="${POSTTRAIN_PROMETHEUS_PORT:-9390}"
+export POSTTRAIN_PROMETHEUS_DIR="$POSTTRAIN_SERVICES_DIR/prometheus"
+start prometheus
+export POSTTRAIN_PROMETHEUS_URL="http://127.0.0.1:$POSTTRAIN_PROMETHEUS_PORT"
 export POSTTRAIN_S3_ENDPOINT="http://127.0.0.1:${S3_PORT:-8333}"
 export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 export POSTTRAIN_REQUIRE_SERVICES=1

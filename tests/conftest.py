@@ -1,6 +1,6 @@
 """Fixtures shared by every test folder live in ``tests/support`` (registered here).
 
-Tests that need a service (Slurm, SeaweedFS, a Prefect server) are marked ``services``:
+Tests that need a service (Slurm, SeaweedFS, a Prefect server, Prometheus) are marked ``services``:
 ``pytest -m "not services"`` is the fast subset that starts nothing.
 
 Under pytest-xdist (the test command runs ``-n 2 --dist loadgroup``) the tests that drive the
@@ -16,6 +16,7 @@ import pytest
 
 pytest_plugins = [
     "tests.support.cluster",
+    "tests.support.prometheus",
     "tests.support.s3",
     "tests.support.serving",
     "tests.support.tensors",
@@ -23,7 +24,8 @@ pytest_plugins = [
 ]
 
 # Fixtures that reach a service the test command starts (or that start one themselves).
-SERVICE_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "seaweedfs_endpoint", "seaweedfs_bucket", "prefect_api"}
+SERVICE_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "seaweedfs_endpoint", "seaweedfs_bucket", "prefect_api",
+                    "prometheus"}
 # Fixtures of the tests that run one after another in one xdist worker.
 ORCHESTRATION_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "prefect_api"}
 ORCHESTRATION = "orchestration"

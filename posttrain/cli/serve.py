@@ -62,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-interval", type=float, default=2.0, dest="probe_interval_s", metavar="SECONDS",
                    help="vllm, sglang: seconds between health probes; each reads back what every replica holds "
                    "(default 2)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve /metrics (Prometheus) on this port of --host instead of the main one: without the "
+                   "token when --host is loopback, else with it unless --metrics-no-auth (default: /metrics on the "
+                   "main port, behind the token)")
+    p.add_argument("--metrics-no-auth", action="store_true",
+                   help="/metrics on --metrics-port needs no token even on a non-loopback --host")
     p.add_argument("--max-batch-rows", type=int, default=64, help="sequences sampled together")
     p.add_argument("--test-hooks", action="store_true",
                    help="serve /_test/faults and /_test/stats to inject faults (tests only)")
@@ -94,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from posttrain import redact
     from posttrain.cli import UsageError
-    from posttrain.serve.serve_config import ServeConfig, read_token
+    from posttrain.serve.serve_config import ServeConfig, metrics_need_token, read_token
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -118,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             reload=args.reload, **_engine_fields(args),
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_request_tokens=args.max_request_tokens,
             max_batch_rows=args.max_batch_rows, probe_interval_s=args.probe_interval_s,
+            metrics_port=args.metrics_port, metrics_no_auth=args.metrics_no_auth,
             test_hooks=args.test_hooks, faults=faults,
         )
     except ValidationError as e:
@@ -135,6 +142,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"posttrain serve: {server.model_name} for deployment {config.deployment_id} on {server.url}", flush=True)
+    if server.metrics_httpd is not None:
+        print(f"posttrain serve: /metrics on {server.metrics_url}/metrics"
+              f"{'' if metrics_need_token(config) else ' (no token)'}", flush=True)
     if server.service.resumed is not None:
         print(f"posttrain serve: resumed {server.service.resumed}, the version served before the restart "
               f"(recorded in {server.work_dir})", flush=True)

@@ -22,6 +22,10 @@ def folder_layout(folder: Path) -> Layout:
     return Checkpoint.open(folder).layout()
 
 
+class LayoutMismatch(ValueError):
+    """A version whose tensors (names, dtypes, shapes) do not fit the served model."""
+
+
 def check_layout(folder: Path, expected: Layout) -> None:
     """Raise ``ValueError`` naming the tensors of ``folder`` that are missing, extra, or of
     another dtype or shape than the served model's: an engine must never see such a folder
@@ -39,7 +43,7 @@ def check_layout(folder: Path, expected: Layout) -> None:
                             f"{want_dtype}{list(want_shape)}")
     if problems:
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise ValueError(f"{folder}: does not fit the served model: {'; '.join(problems[:5])}{more}")
+        raise LayoutMismatch(f"{folder}: does not fit the served model: {'; '.join(problems[:5])}{more}")
 
 
 def same_weights(a: Path, b: Path) -> bool:

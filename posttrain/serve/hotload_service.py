@@ -5,6 +5,8 @@ load downloads what the identity needs, reconstructs it beside the served weight
 and swaps the model; anything that goes wrong leaves the old weights serving and the
 operation FAILED with the reason in its conditions. The status also reports the seconds
 of each stage (``stageSeconds``: fetch, apply, load; the swap is part of load), an addition of posttrain's own.
+With ``metrics``, every finished load is counted by outcome and reason, and the seconds of its finer
+stages (``stages``: fetch, apply, validate, switch, probe; the engine marks the last three) observed.
 """
 
 from __future__ import annotations
@@ -16,19 +18,14 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-
-import xxhash
+from typing import TYPE_CHECKING
 
 from posttrain import redact
-from posttrain.chain.errors import ChainError, FormatError
+from posttrain.chain.errors import ChainError
 from posttrain.chain.fetch import SnapshotError, SnapshotSource
-from posttrain.chain.format import check_identity
-from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
 from posttrain.inference.protocol import (
     CACHE_POLICIES,
     CACHE_PRESERVE,
-    CHECKSUM_ADLER32,
-    COMPRESSION_ZSTD,
     GRPC_ALREADY_EXISTS,
     GRPC_FAILED_PRECONDITION,
     GRPC_INVALID_ARGUMENT,
@@ -47,14 +44,24 @@ from posttrain.inference.protocol import (
 )
 from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FaultBox
-from posttrain.serve.operations import Operation, Replica, ServiceError, condition, page
-from posttrain.serve.state import ServerState, load_state, save_state
+from posttrain.serve.operations import (
+    Operation,
+    Replica,
+    ServiceError,
+    check_id,
+    condition,
+    incremental_metadata,
+    page,
+)
+from posttrain.serve.stages import StageTimes, stage, timing_stages
+from posttrain.serve.state import ServerState, folder_name, load_state, save_state, verify_held
+
+if TYPE_CHECKING:
+    from posttrain.serve.metrics import ServeMetrics
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
 CREATE_FIELDS = {"deploymentId", "identity", "type", "promptCachePolicy", "hotLoadId", "incrementalSnapshotMetadata"}
-INCREMENTAL_FIELDS = {"previousSnapshotIdentity", "compressionFormat", "checksumFormat"}
-FOLDER_NAME_MAX = 200  # bytes of a rebuilt folder's name before its "-<operation id>" suffix
 
 
 class InjectedFault(Exception):
@@ -71,6 +78,7 @@ class HotLoadService:
         work_dir: Path,
         faults: FaultBox | None = None,
         boot_dir: Path | None = None,
+        metrics: ServeMetrics | None = None,
     ):
         self.deployment_id = deployment_id
         self.source = source
@@ -78,11 +86,13 @@ class HotLoadService:
         self.work_dir = work_dir
         self.faults = faults or FaultBox()
         self.boot_dir = boot_dir
+        self.metrics = metrics
         self.creates: Counter[str] = Counter()  # accepted creates per identity (test hooks report it)
         self._lock = threading.Lock()
         self._ops: dict[str, Operation] = {}
         self._seq = 0
         self._threads: list[threading.Thread] = []
+        self._times: dict[str, StageTimes] = {}  # the stage seconds of the loads running, by operation id
         self.resumed = self._resume()  # the version a restart reloaded; None: booted clean
         identity = engine.current().identity
         self._replicas = [Replica(name, "local-a", REPLICA_READY, identity) for name in engine.replica_names]
@@ -97,16 +107,16 @@ class HotLoadService:
             raise ServiceError(GRPC_INVALID_ARGUMENT, "deploymentId is required")
         if deployment != self.deployment_id:
             raise ServiceError(GRPC_NOT_FOUND, f"deployment {deployment!r} not found")
-        identity = _identity(body.get("identity"), "identity")
+        identity = check_id(body.get("identity"), "identity")
         kind = body.get("type")
         if kind not in SNAPSHOT_TYPES:
             raise ServiceError(GRPC_INVALID_ARGUMENT, f"type must be one of {', '.join(SNAPSHOT_TYPES)}, got {kind!r}")
         policy = body.get("promptCachePolicy") or CACHE_PRESERVE
         if policy not in CACHE_POLICIES:
             raise ServiceError(GRPC_INVALID_ARGUMENT, f"promptCachePolicy must be one of {', '.join(CACHE_POLICIES)}")
-        incremental = self._incremental(kind, body.get("incrementalSnapshotMetadata"))
+        incremental = incremental_metadata(kind, body.get("incrementalSnapshotMetadata"))
         op_id = body.get("hotLoadId") or str(uuid.uuid4())
-        _identity(op_id, "hotLoadId")
+        check_id(op_id, "hotLoadId")
         with self._lock:
             if op_id in self._ops:
                 raise ServiceError(GRPC_ALREADY_EXISTS, f"hot-load {op_id} already exists")
@@ -142,6 +152,10 @@ class HotLoadService:
 
     def replicas(self, op_id: str, page_size: int | None, page_token: str | None) -> tuple[list[Replica], str]:
         self.get(op_id)
+        return page(self.replica_states(), ("replicas", op_id), page_size, page_token)
+
+    def replica_states(self) -> list[Replica]:
+        """Each replica's state and version now, as the API reports them (copies; sorted by zone, name)."""
         broken = self.engine.replica_errors()  # an engine that died since: ERROR until it serves again
         with self._lock:
             reps = [Replica(**vars(r)) for r in self._replicas]
@@ -149,7 +163,7 @@ class HotLoadService:
             if r.name in broken:
                 r.state, r.error_reason = REPLICA_ERROR, broken[r.name]
         reps.sort(key=lambda r: (r.zone, r.name))
-        return page(reps, ("replicas", op_id), page_size, page_token)
+        return reps
 
     def cancel(self, op_id: str) -> None:
         self.get(op_id)
@@ -182,7 +196,7 @@ class HotLoadService:
         if state.identity is not None and state.folder is not None:
             folder = models / state.folder
             try:
-                _verify_held(folder)
+                verify_held(folder)
             except (OSError, ChainError) as e:  # damaged or gone: it can never be served again
                 log.warning("could not resume %s: its rebuilt folder %s fails its checks (%s); removing it",
                             state.identity, folder, e)
@@ -226,25 +240,9 @@ class HotLoadService:
             log.warning("cannot record the server's state in %s: %s", self.work_dir, e)
 
     # ------------------------------------------------------------------ the load
-    def _incremental(self, kind: str, meta: object) -> dict | None:
-        if kind == TYPE_FULL:
-            if meta not in (None, {}):
-                raise ServiceError(GRPC_INVALID_ARGUMENT,
-                                   "incrementalSnapshotMetadata is for SNAPSHOT_TYPE_INCREMENTAL")
-            return None
-        if not isinstance(meta, dict):
-            raise ServiceError(GRPC_INVALID_ARGUMENT, "SNAPSHOT_TYPE_INCREMENTAL needs incrementalSnapshotMetadata")
-        unknown = sorted(set(meta) - INCREMENTAL_FIELDS)
-        if unknown:
-            raise ServiceError(GRPC_INVALID_ARGUMENT, f"unknown field incrementalSnapshotMetadata.{unknown[0]}")
-        _identity(meta.get("previousSnapshotIdentity"), "incrementalSnapshotMetadata.previousSnapshotIdentity")
-        if meta.get("compressionFormat", COMPRESSION_ZSTD) != COMPRESSION_ZSTD:
-            raise ServiceError(GRPC_INVALID_ARGUMENT, f"compressionFormat must be {COMPRESSION_ZSTD}")
-        if meta.get("checksumFormat", CHECKSUM_ADLER32) != CHECKSUM_ADLER32:
-            raise ServiceError(GRPC_INVALID_ARGUMENT, f"checksumFormat must be {CHECKSUM_ADLER32}")
-        return dict(meta)
-
     def _set(self, op: Operation, state: str) -> None:
+        if state in TERMINAL_STATES:
+            self._count(op, state)
         with self._lock:
             op.state = state
             if state in TERMINAL_STATES:
@@ -260,6 +258,28 @@ class HotLoadService:
                     r.state, r.identity, r.error_reason = state, identity, error
 
     def _run(self, op: Operation) -> None:
+        with timing_stages() as times:
+            self._times[op.id] = times
+            try:
+                self._load(op)
+            finally:
+                self._times.pop(op.id, None)
+
+    def _count(self, op: Operation, state: str) -> None:
+        """Count a load finishing in ``state`` (before its state says so: whoever sees it finished finds it
+        counted)."""
+        times = self._times.pop(op.id, None)
+        if self.metrics is None or times is None:
+            return
+        completed = state == STATE_COMPLETED
+        with self._lock:
+            reason = op.conditions[-1]["reason"] if op.conditions and not completed else ""
+        try:
+            self.metrics.hotload_finished(completed, reason or "Unknown", dict(times.seconds))
+        except Exception:  # noqa: BLE001 - the figures never break a load
+            log.exception("hot-load %s: recording its metrics failed", op.id)
+
+    def _load(self, op: Operation) -> None:
         t0 = time.perf_counter()
         before = self.engine.current()
         self._set(op, STATE_RUNNING)
@@ -294,13 +314,15 @@ class HotLoadService:
                 return
             fetched = list(plan.snapshots)
             t = time.perf_counter()
-            for identity in plan.snapshots:
-                self.source.fetch(identity)
+            with stage("fetch"):
+                for identity in plan.snapshots:
+                    self.source.fetch(identity)
             t = self._stage(op, "fetch", t)
-            self.source.view(plan, before.identity, before.path, view)
-            from posttrain.chain.ops import reconstruct
+            with stage("apply"):  # checksums are checked as the files are decoded: part of apply
+                self.source.view(plan, before.identity, before.path, view)
+                from posttrain.chain.ops import reconstruct
 
-            reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
+                reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
             t = self._stage(op, "apply", t)
             now = self.engine.load(out, op.identity)
             if self._unresumed is not None:  # a version served now: the one a restart could not resume goes
@@ -332,7 +354,7 @@ class HotLoadService:
     def _new_folder(self, op: Operation) -> Path:
         """Where to rebuild ``op``'s version: never the folder served, and empty (a run killed
         mid-rebuild may have left the same name behind)."""
-        out = self.work_dir / "models" / f"{_folder_name(op.identity)}-{op.id[:12]}"
+        out = self.work_dir / "models" / f"{folder_name(op.identity)}-{op.id[:12]}"
         if out.resolve() == self.engine.current().path.resolve():
             out = out.with_name(f"{out.name}-{uuid.uuid4().hex[:8]}")
         if out.exists():
@@ -368,29 +390,3 @@ class HotLoadService:
         models = (self.work_dir / "models").resolve()
         if path.resolve().parent == models and path.resolve() != (self.boot_dir or Path("/")).resolve():
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _folder_name(identity: str) -> str:
-    """A folder name for ``identity`` that leaves room for a suffix within the file system's 255 bytes
-    (identities may be 255 characters): a long one keeps its start and a digest of the whole."""
-    if len(identity.encode()) <= FOLDER_NAME_MAX:
-        return identity
-    return f"{identity.encode()[:FOLDER_NAME_MAX - 33].decode(errors='ignore')}-{xxhash.xxh3_128_hexdigest(identity.encode())}"
-
-
-def _verify_held(folder: Path) -> None:
-    """Check a rebuilt folder before serving it again: every file and every tensor's bytes against its
-    ``posttrain.checksums.json`` (a byte changed on disk since the rebuild is caught here)."""
-    if not folder.is_dir():
-        raise FormatError(f"{folder}: not a folder")
-    manifest = load_manifest(folder)
-    if manifest is None:
-        raise FormatError(f"{folder}: no {MANIFEST_NAME} to check it against")
-    manifest.check_all(deep=True)
-
-
-def _identity(value: object, what: str) -> str:
-    try:
-        return check_identity(value, what)  # type: ignore[arg-type]
-    except FormatError as e:
-        raise ServiceError(GRPC_INVALID_ARGUMENT, str(e)) from None

@@ -89,12 +89,17 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | str = "aut
 def load_served(path: Path, device: torch.device, *, like: ServedModel | None = None,
                 identity: str | None = None) -> ServedModel:
     """Load a checkpoint folder; with ``like``, refuse one whose tensors differ in name, shape or dtype."""
+    from posttrain.serve.checks import LayoutMismatch
+    from posttrain.serve.stages import stage
+
     dtype = next(like.model.parameters()).dtype if like is not None else "auto"
     model = load_model(path, device, dtype)
-    layout = layout_of(model)
-    if like is not None and layout != like.layout:
-        changed = sorted(set(layout) ^ set(like.layout)) or sorted(
-            k for k in layout if layout[k] != like.layout.get(k)
-        )
-        raise ValueError(f"the snapshot's tensors do not fit the served model (first differences: {changed[:5]})")
+    with stage("validate"):
+        layout = layout_of(model)
+        if like is not None and layout != like.layout:
+            changed = sorted(set(layout) ^ set(like.layout)) or sorted(
+                k for k in layout if layout[k] != like.layout.get(k)
+            )
+            raise LayoutMismatch(f"the snapshot's tensors do not fit the served model (first differences: "
+                                 f"{changed[:5]})")
     return ServedModel(model, identity if identity is not None else recorded_version(path), path, layout)

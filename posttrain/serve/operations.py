@@ -9,7 +9,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from posttrain import redact
-from posttrain.inference.protocol import DEFAULT_PAGE_SIZE, GRPC_INVALID_ARGUMENT, MAX_PAGE_SIZE, STATE_PENDING
+from posttrain.chain.errors import FormatError
+from posttrain.chain.format import check_identity
+from posttrain.inference.protocol import (
+    CHECKSUM_ADLER32,
+    COMPRESSION_ZSTD,
+    DEFAULT_PAGE_SIZE,
+    GRPC_INVALID_ARGUMENT,
+    MAX_PAGE_SIZE,
+    STATE_PENDING,
+    TYPE_FULL,
+)
+
+INCREMENTAL_FIELDS = {"previousSnapshotIdentity", "compressionFormat", "checksumFormat"}
 
 
 class ServiceError(Exception):
@@ -94,3 +106,30 @@ def page(items: list, scope: tuple[str, str], page_size: int | None, token: str 
         return page, ""
     raw = json.dumps({"k": scope[0], "s": scope[1], "o": offset + size}).encode()
     return page, base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def incremental_metadata(kind: str, meta: object) -> dict | None:
+    """A create request's ``incrementalSnapshotMetadata``, checked against its ``type``."""
+    if kind == TYPE_FULL:
+        if meta not in (None, {}):
+            raise ServiceError(GRPC_INVALID_ARGUMENT,
+                               "incrementalSnapshotMetadata is for SNAPSHOT_TYPE_INCREMENTAL")
+        return None
+    if not isinstance(meta, dict):
+        raise ServiceError(GRPC_INVALID_ARGUMENT, "SNAPSHOT_TYPE_INCREMENTAL needs incrementalSnapshotMetadata")
+    unknown = sorted(set(meta) - INCREMENTAL_FIELDS)
+    if unknown:
+        raise ServiceError(GRPC_INVALID_ARGUMENT, f"unknown field incrementalSnapshotMetadata.{unknown[0]}")
+    check_id(meta.get("previousSnapshotIdentity"), "incrementalSnapshotMetadata.previousSnapshotIdentity")
+    if meta.get("compressionFormat", COMPRESSION_ZSTD) != COMPRESSION_ZSTD:
+        raise ServiceError(GRPC_INVALID_ARGUMENT, f"compressionFormat must be {COMPRESSION_ZSTD}")
+    if meta.get("checksumFormat", CHECKSUM_ADLER32) != CHECKSUM_ADLER32:
+        raise ServiceError(GRPC_INVALID_ARGUMENT, f"checksumFormat must be {CHECKSUM_ADLER32}")
+    return dict(meta)
+
+
+def check_id(value: object, what: str) -> str:
+    try:
+        return check_identity(value, what)  # type: ignore[arg-type]
+    except FormatError as e:
+        raise ServiceError(GRPC_INVALID_ARGUMENT, str(e)) from None

@@ -18,6 +18,7 @@ from posttrain.serve.engine import Served
 from posttrain.serve.model_slot import ModelSlot, ServedModel, load_served, resolve_device
 from posttrain.serve.probe import judge, read_probe, score_with_model
 from posttrain.serve.sampler import sample
+from posttrain.serve.stages import stage
 from posttrain.serve.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,12 @@ class ReferenceEngine:
         the folder's probe, and swap it in; on failure the previous version keeps serving."""
         if is_packed_adapter(folder):
             raise refuse_adapters("reference", folder)
-        new = load_served(folder, self.device, like=self.slot.current(), identity=identity)
-        self._check_probe(new, self.slot.current())
-        self.slot.swap(new)
+        with stage("switch"):  # loading beside the served model, then the swap below; validate: its layout
+            new = load_served(folder, self.device, like=self.slot.current(), identity=identity)
+        with stage("probe"):
+            self._check_probe(new, self.slot.current())
+        with stage("switch"):
+            self.slot.swap(new)
         return Served(new.identity, new.path)
 
     def resume(self, folder: Path, identity: str) -> Served:

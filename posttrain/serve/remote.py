@@ -48,6 +48,7 @@ from posttrain.serve.engine import EngineCallError, EngineError, Served
 from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, Replica, ReplicaChecks, read_label
 from posttrain.serve.model_slot import recorded_version
 from posttrain.serve.probe import completions_body, judge, parse_prompt_logprobs, read_probe
+from posttrain.serve.stages import stage
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
 
@@ -157,7 +158,8 @@ class RemoteEngine(ReplicaChecks):
         snapshot's probe) is adopted as it is, and answers need not have changed."""
         if is_packed_adapter(folder):
             return self._load_adapter(folder, identity)
-        check_layout(folder, self.layout)
+        with stage("validate"):
+            check_layout(folder, self.layout)
         _add_model_files(folder, self.boot_dir)
         restart = self._restart_needed(folder)
         if restart:  # refused before any replica is touched: every one keeps serving
@@ -180,14 +182,16 @@ class RemoteEngine(ReplicaChecks):
                             log.info("%s holds %s already: adopted as it is", r.name, identity)
                             continue
                         switched.append(r)
-                        before = None if resume else self._fingerprint(r)
-                        self._switch(r, folder, restart)
-                        self._took(r, folder)
-                        if (before is not None and r.expected == before
-                                and not same_weights(folder, previous_base)):
-                            raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it did "
-                                              "not take the new weights")
-                        self._check_probe(r, folder, previous_base)
+                        with stage("switch"):
+                            before = None if resume else self._fingerprint(r)
+                            self._switch(r, folder, restart)
+                            self._took(r, folder)
+                            if (before is not None and r.expected == before
+                                    and not same_weights(folder, previous_base)):
+                                raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it "
+                                                  "did not take the new weights")
+                        with stage("probe"):
+                            self._check_probe(r, folder, previous_base)
             except Exception as e:
                 log.warning("hot-load of %s failed (%s); putting %d replica(s) back on %s", identity, e,
                             len(switched), previous.identity or "the boot weights")
@@ -255,8 +259,9 @@ class RemoteEngine(ReplicaChecks):
     def _load_adapter(self, folder: Path, identity: str) -> Served:
         if self.max_lora_rank is None:
             raise refuse_adapters(self.kind, folder)
-        _, base = unpacked(folder, identity, self.max_lora_rank)
-        self._base_check.check(base, self._base_dir, identity)
+        with stage("validate"):
+            _, base = unpacked(folder, identity, self.max_lora_rank)
+            self._base_check.check(base, self._base_dir, identity)
         self._wait_restarts()
         with self._gate.exclusive():
             old, loaded = self._adapter, []
@@ -266,8 +271,9 @@ class RemoteEngine(ReplicaChecks):
                         raise EngineError(f"{r.name} is not serving ({r.error})")
                     with r.lock:
                         loaded.append(r)
-                        r.client.load_adapter(identity, folder / PEFT_DIR)
-                        r.expected = self._fingerprint(r, identity)  # it answers with the adapter
+                        with stage("switch"):
+                            r.client.load_adapter(identity, folder / PEFT_DIR)
+                            r.expected = self._fingerprint(r, identity)  # it answers with the adapter
             except Exception as e:
                 log.warning("hot-load of adapter %s failed (%s); unloading it from %d replica(s), still serving %s",
                             identity, e, len(loaded), self._served.identity or "the boot weights")

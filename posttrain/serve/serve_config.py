@@ -71,6 +71,15 @@ class ServeConfig(BaseModel):
         "also reads back what the replica holds (its weight version, or its answers to a fixed prompt), so a "
         "replica restarted on other weights is put back or reported ERROR within one interval."
     )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve /metrics (Prometheus) on this port of host (0: any free port) "
+        "instead of the main one; there it needs no token when host is loopback or metrics_no_auth is set, "
+        "else the same bearer token. None: /metrics on the main port, behind the token like every route."
+    )
+    metrics_no_auth: bool = Field(
+        False, description="/metrics on metrics_port without the token even when host is not loopback (for a "
+        "network where only Prometheus reaches that port)."
+    )
     max_batch_rows: int = Field(64, ge=1, description="Sequences sampled together in one batch.")
     test_hooks: bool = Field(False, description="Serve /_test/faults and /_test/stats (fault injection). Tests only.")
     faults: list[Fault] = Field(default_factory=list, description="Faults armed at start (implies test hooks).")
@@ -96,10 +105,22 @@ class ServeConfig(BaseModel):
         if not self.allow_remote and not _loopback(self.host):
             raise ValueError(f"host {self.host!r} is not a loopback address: the server would be reachable from "
                              "other machines; give allow_remote (--allow-remote) to mean it")
+        if self.metrics_no_auth and self.metrics_port is None:
+            raise ValueError("metrics_no_auth (--metrics-no-auth) is for a separate metrics_port (--metrics-port); "
+                             "on the main port /metrics needs the token like every route")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port (--metrics-port) {self.metrics_port} is the main port (--port); give "
+                             "another one, or none for /metrics on the main port")
         for i, url in enumerate(self.engine_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine_urls[{i}]: {url!r} is not an http(s) URL")
         return self
+
+
+def metrics_need_token(config: ServeConfig) -> bool:
+    """Whether /metrics needs the bearer token: always on the main port; on metrics_port unless the
+    server binds loopback only or metrics_no_auth says so."""
+    return config.metrics_port is None or not (config.metrics_no_auth or _loopback(config.host))
 
 
 def _loopback(host: str) -> bool:

@@ -4,6 +4,7 @@ Routes (every one needs ``Authorization: Bearer <token>``):
 
 - ``POST /v1/completions``: token-id prompts, ``n`` choices sampled in one batch, per-token log-probs;
 - ``GET /v1/models``, ``GET /health``;
+- ``GET /metrics`` (Prometheus, docs/metrics.md), unless ``metrics_port`` serves it (``metrics_http``);
 - the hot-load API of docs/hotload-api.md under ``/v1alpha1/inference/hotLoads``;
 - with test hooks only: ``POST|DELETE /_test/faults`` and ``GET /_test/stats``.
 
@@ -43,6 +44,8 @@ from posttrain.serve.engine import Engine
 from posttrain.serve.faults import FAULT_LIST, FaultBox
 from posttrain.serve.hotload_service import HotLoadService, ServiceError
 from posttrain.serve.http_body import read_body
+from posttrain.serve.metrics import PublishTimes, ServeMetrics
+from posttrain.serve.metrics_http import MetricsPort, send_metrics
 from posttrain.serve.serve_config import ServeConfig
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
@@ -70,16 +73,23 @@ class InferenceServer:
         self.httpd = ThreadingHTTPServer((config.host, config.port), _handler_for(self), bind_and_activate=False)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self.metrics_httpd: MetricsPort | None = None
         try:
             try:
                 self.httpd.server_bind()
             except OSError as e:
                 raise ServeStartError(f"port {config.port} (--port): cannot listen on {config.host}:{config.port}: "
                                       f"{e.strerror or e}") from None
+            if config.metrics_port is not None:
+                self.metrics_httpd = MetricsPort(self, config.host, config.metrics_port, ServeStartError)
             self._open(config, engine)
             self.httpd.server_activate()
+            if self.metrics_httpd is not None:
+                self.metrics_httpd.activate()
         except BaseException:
             self.httpd.server_close()
+            if self.metrics_httpd is not None:
+                self.metrics_httpd.close()
             # what _open had opened before the failure: an engine's processes would outlive the error
             for opened in ("engine", "store"):
                 if getattr(self, opened, None) is not None:
@@ -113,6 +123,7 @@ class InferenceServer:
         self.model_name = self.engine.model_name
         self.test_hooks = config.test_hooks or bool(config.faults)
         self.faults = FaultBox(config.faults)
+        self.metrics = ServeMetrics()  # a registry of its own: servers in one process keep their figures apart
         self.service = HotLoadService(
             deployment_id=config.deployment_id,
             source=SnapshotSource(self.store, config.prefix, self.work_dir / "cache"),
@@ -120,7 +131,9 @@ class InferenceServer:
             work_dir=self.work_dir,
             faults=self.faults,
             boot_dir=config.model_dir,
+            metrics=self.metrics,
         )
+        self.metrics.watch(self.service, self.engine, PublishTimes(self.store, config.prefix))
         self._token = config.token.get_secret_value().encode()
 
     @property
@@ -128,17 +141,28 @@ class InferenceServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """Where /metrics is served: the metrics port's URL, else the main one's."""
+        return self.url if self.metrics_httpd is None else self.metrics_httpd.url
+
     def start(self) -> InferenceServer:
         """Serve in a background thread."""
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="posttrain-serve", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.start()
         self.httpd.serve_forever(poll_interval=0.05)
 
     def shutdown(self) -> None:
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.close()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.service.wait(timeout=30)
@@ -191,6 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
         ("GET", re.compile(r"^/health$"), "health"),
         ("GET", re.compile(r"^/v1/models$"), "models"),
         ("POST", re.compile(r"^/v1/completions$"), "completions"),
+        ("GET", re.compile(r"^/metrics$"), "metrics"),
         ("POST", re.compile(rf"^{API_PREFIX}$"), "create"),
         ("GET", re.compile(rf"^{API_PREFIX}$"), "list"),
         ("GET", re.compile(rf"^{API_PREFIX}/(?P<id>[^/:]+)$"), "get"),
@@ -233,6 +258,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if match and m == method:
                     if name in ("add_faults", "clear_faults", "stats") and not self.app.test_hooks:
                         break
+                    if name == "metrics" and self.app.metrics_httpd is not None:
+                        break  # served on the metrics port
                     getattr(self, f"_{name}")(**match.groupdict())
                     return
             if openai:
@@ -314,7 +341,12 @@ class _Handler(BaseHTTPRequestHandler):
         }]})
 
     def _completions(self) -> None:
-        self._send(200, self.app.engine.complete(self._body()))
+        with self.app.metrics.completion() as counted:
+            counted.reply = self.app.engine.complete(self._body())
+        self._send(200, counted.reply)
+
+    def _metrics(self) -> None:
+        send_metrics(self, self.app.metrics)
 
     def _create(self) -> None:
         body = self._body()

@@ -14,13 +14,17 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import xxhash
+
 from posttrain.chain.errors import FormatError
 from posttrain.chain.format import check_identity
+from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
 from posttrain.fsutil import atomic_write
 from posttrain.serve.operations import Operation
 
 log = logging.getLogger(__name__)
 
+FOLDER_NAME_MAX = 200  # bytes of a rebuilt folder's name before its "-<operation id>" suffix
 STATE_NAME = "state.json"
 STATE_VERSION = 1
 MAX_KEPT_OPERATIONS = 1000
@@ -64,3 +68,22 @@ def load_state(work_dir: Path) -> ServerState | None:
         log.warning("%s is not a state this server wrote (%s); ignoring it", path, e)
         return None
     return ServerState(identity, folder if identity is not None else None, ops)
+
+
+def folder_name(identity: str) -> str:
+    """A folder name for ``identity`` that leaves room for a suffix within the file system's 255 bytes
+    (identities may be 255 characters): a long one keeps its start and a digest of the whole."""
+    if len(identity.encode()) <= FOLDER_NAME_MAX:
+        return identity
+    return f"{identity.encode()[:FOLDER_NAME_MAX - 33].decode(errors='ignore')}-{xxhash.xxh3_128_hexdigest(identity.encode())}"
+
+
+def verify_held(folder: Path) -> None:
+    """Check a rebuilt folder before serving it again: every file and every tensor's bytes against its
+    ``posttrain.checksums.json`` (a byte changed on disk since the rebuild is caught here)."""
+    if not folder.is_dir():
+        raise FormatError(f"{folder}: not a folder")
+    manifest = load_manifest(folder)
+    if manifest is None:
+        raise FormatError(f"{folder}: no {MANIFEST_NAME} to check it against")
+    manifest.check_all(deep=True)
