@@ -14,6 +14,7 @@ from posttrain.testing.sampler import sample_rollouts
 from posttrain.trainer import TrainerConfig, run_training
 from posttrain.trainer.checkpoints import inspect_checkpoint
 from posttrain.trainer.step import StepError
+from tests.support.tensorboard import scalar_curves
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +138,6 @@ def test_out_of_vocabulary_tokens_and_stop_requests(tiny_model_dir, rollouts, tm
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar curve of a TensorBoard log folder (all its event files), read with TensorBoard's reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_each_round_logs_one_point_per_metric_to_tensorboard(tiny_model_dir, rollouts, tmp_path):
     """Rounds as the GRPO flow runs them (one process each in the flow): successive updates append to
     the run's curves, at step = the round (the policy version trained from)."""
@@ -156,17 +148,17 @@ def test_each_round_logs_one_point_per_metric_to_tensorboard(tiny_model_dir, rol
         policy = result.checkpoint
         results.append(result)
     assert not (tmp_path / "policy" / "runs").exists()  # not transformers' default place
-    curves = _scalars(tmp_path / "tensorboard")  # the run folder's, beside output_dir
+    curves = scalar_curves(tmp_path / "tensorboard")  # the run folder's, beside output_dir
     for tag, key in (("train/loss", "loss"), ("train/reward", "mean_reward"), ("train/grad_norm", "grad_norm"),
                      ("train/is_weight_mean", "is_weight_mean"), ("train/staleness_mean", "staleness_mean")):
         assert [step for step, _ in curves[tag]] == [0, 1, 2], tag
         assert [v for _, v in curves[tag]] == pytest.approx([r.metrics[key] for r in results], rel=1e-5), tag
     assert [v for _, v in curves["train/staleness_max"]] == [0.0, 1.0, 2.0]  # version-0 rollouts throughout
 
-    again = run_training(_config(results[0].checkpoint.parent / "checkpoint-1", tmp_path / "policy", path,
+    again = run_training(_config(results[0].checkpoint, tmp_path / "policy", path,
                                  max_staleness=2))  # a retried round 1 finds its step written: no second point
     assert again.already_done
-    assert [step for step, _ in _scalars(tmp_path / "tensorboard")["train/loss"]] == [0, 1, 2]
+    assert [step for step, _ in scalar_curves(tmp_path / "tensorboard")["train/loss"]] == [0, 1, 2]
 
 
 def test_report_to_none_and_other_trackers_in_step_mode(tiny_model_dir, rollouts, tmp_path, monkeypatch):
