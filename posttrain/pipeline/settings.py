@@ -34,8 +34,15 @@ PROMOTION_BLOCK_PARAMETERS = {"promote_to": (InferenceDeployment,), "production"
                               "staging": (InferenceDeployment,)}
 
 
-# Fields the flows fill in themselves (``lora`` from the run's lora group).
-_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts", "lora"}
+# Fields the flows fill in themselves (``lora`` from the run's lora group; ``logging_dir``: the run
+# folder's ``tensorboard``, which the artifacts name).
+_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts", "lora", "logging_dir"}
+# Trainer fields under another name among the flat flow parameters (``run_name`` names the run there).
+_RENAMED = {"run_name": "tracker_run_name"}
+_RENAMED_DESCRIPTIONS = {
+    "run_name": "Run name the trackers of report_to show (TRL's run_name; wandb, mlflow, trackio); "
+    "null (None): the run's name (run_name with the flow run's suffix, as its folder).",
+}
 
 
 def trainer_settings(mode: str, *, exclude: frozenset[str] = frozenset(), required: tuple[str, ...] = ()):
@@ -54,7 +61,9 @@ def trainer_settings(mode: str, *, exclude: frozenset[str] = frozenset(), requir
                 annotation = next(a for a in get_args(annotation) if a is not type(None))
             if get_origin(annotation) is list:
                 info.metadata = [*info.metadata, MinLen(1)]
-        fields[name] = (annotation, info)
+        if name in _RENAMED:
+            info.description = _RENAMED_DESCRIPTIONS[name]
+        fields[_RENAMED.get(name, name)] = (annotation, info)
     return create_model(f"{mode.capitalize()}TrainerSettings", __config__=ConfigDict(extra="forbid"), **fields)
 
 
@@ -82,9 +91,15 @@ def check_trainer(settings: BaseModel, mode: str) -> BaseModel:
     return settings
 
 
-def trainer_config(settings: BaseModel, lora: LoraGroup | None = None, **filled) -> TrainerConfig:
-    """A TrainerConfig from the flow's trainer settings, the run's lora group and what the flow fills in."""
-    return TrainerConfig(**settings.model_dump(), lora=lora.trainer_lora() if lora else None, **filled)
+def trainer_config(settings: BaseModel, lora: LoraGroup | None = None, *, run_name: str | None = None,
+                   **filled) -> TrainerConfig:
+    """A TrainerConfig from the flow's trainer settings, the run's lora group and what the flow fills in;
+    ``run_name`` (the run's) is the trackers' run name unless the settings give one (tracker_run_name)."""
+    original = {flat: name for name, flat in _RENAMED.items()}
+    values = {original.get(k, k): v for k, v in settings.model_dump().items()}
+    if values.get("run_name") is None:
+        values["run_name"] = run_name
+    return TrainerConfig(**values, lora=lora.trainer_lora() if lora else None, **filled)
 
 
 class PublishSettings(BaseModel):

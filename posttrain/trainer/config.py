@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from posttrain.rollouts.scoring import REWARD_FUNC_PATTERN, REWARD_FUNCS_SCHEMA
 
 
+#: A tracker name as transformers' ``report_to`` takes it (``none``, ``tensorboard``, ``wandb``, ``azure_ml``, ...).
+TRACKER_PATTERN = r"^[a-z][a-z0-9_]*$(?!\n)"
+
+
 class ConfigError(ValueError):
     """The trainer config file is missing, not YAML, or fails validation (the message names the fields)."""
 
@@ -110,6 +114,20 @@ class TrainerConfig(BaseModel):
         1, ge=0, description="step: drop rollouts sampled more than this many policy versions ago."
     )
     logging_steps: int = Field(1, ge=1, description="grpo: log metrics every this many steps.")
+    report_to: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Trackers that receive the training metrics (TRL's report_to): tensorboard, wandb, mlflow, "
+        "trackio, ... or none. TensorBoard event files go to logging_dir. grpo: TRL logs every logging_steps; "
+        "step: one point per update, at step = the policy version trained from (the round).",
+        json_schema_extra={"items": {"type": "string", "pattern": TRACKER_PATTERN}},
+    )
+    run_name: str | None = Field(
+        None, description="Run name the trackers show (TRL's run_name; wandb, mlflow, trackio); None: theirs."
+    )
+    logging_dir: Path | None = Field(
+        None, description="Absolute folder of the TensorBoard event files; None: the folder tensorboard beside "
+        "output_dir (output_dir/../tensorboard), which every job of a run shares.",
+    )
     bf16: bool = Field(False, description="Train in bfloat16 (needs a GPU or a CPU with bf16 support).")
     use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present.")
     gradient_checkpointing: bool = Field(False, description="grpo: trade compute for activation memory.")
@@ -118,7 +136,7 @@ class TrainerConfig(BaseModel):
         "plus a reference to its base. None trains all weights.",
     )
 
-    @field_validator("output_dir", "dataset_manifest", "rollouts")
+    @field_validator("output_dir", "dataset_manifest", "rollouts", "logging_dir")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
@@ -132,6 +150,26 @@ class TrainerConfig(BaseModel):
         if bad:
             raise ValueError(f"expected 'module:function' import paths, got {bad}")
         return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not re.fullmatch(TRACKER_PATTERN, v)]
+        if bad:
+            raise ValueError(f"expected tracker names such as tensorboard, wandb, mlflow, trackio or none, got {bad}")
+        if "none" in value and len(value) > 1:
+            raise ValueError("none: give it alone (no tracker), not with other trackers")
+        return value
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers to report to: report_to less "none"."""
+        return [t for t in self.report_to if t != "none"]
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """Where the TensorBoard event files go: logging_dir, else tensorboard/ beside output_dir."""
+        return self.logging_dir or self.output_dir.parent / "tensorboard"
 
     @model_validator(mode="after")
     def _mode_fields(self) -> TrainerConfig:

@@ -32,6 +32,7 @@ from posttrain.trainer.checkpoints import (
 )
 from posttrain.trainer.config import ConfigError, TrainerConfig, TrainingResult
 from posttrain.trainer.probe import write_checkpoint_probe
+from posttrain.trainer.tracking import grpo_reporting
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,14 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     )
     stopper = StopOnRequest(stop_event)
     base_ref = lora_base_ref(config)
+    report_to, trackers = grpo_reporting(config, is_main=int(os.environ.get("RANK", "0")) == 0)
     trainer = rank0_writes(trainer_class(GRPOTrainer, base_ref))(
         model=model,
         reward_funcs=reward_funcs,
-        args=grpo_arguments(config),
+        args=grpo_arguments(config, report_to=report_to),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        callbacks=[stopper],
+        callbacks=[stopper, *trackers],
         peft_config=config.lora.peft_config() if config.lora else None,
     )
     if trainer.args.world_size > 1:
@@ -171,8 +173,9 @@ def _whole_model_in_memory(trainer, state_dict) -> bool:
     return state_dict is None and not getattr(trainer, "is_distributed_loading_by_transformers", False)
 
 
-def grpo_arguments(config: TrainerConfig):
-    """TRL's GRPOConfig for a TrainerConfig: full checkpoints (resumable), no vLLM, no reporting."""
+def grpo_arguments(config: TrainerConfig, report_to: list[str] | None = None):
+    """TRL's GRPOConfig for a TrainerConfig: full checkpoints (resumable), no vLLM. ``report_to``:
+    the trackers TRL adds itself (``grpo_reporting``: TensorBoard is a callback of ours); None: none."""
     from trl import GRPOConfig
 
     # transformers 5 renamed gradient_checkpointing (TRL defaults it to True) and warns on the old name.
@@ -209,7 +212,8 @@ def grpo_arguments(config: TrainerConfig):
         bf16=config.bf16,
         use_cpu=config.use_cpu,
         use_vllm=False,
-        report_to="none",
+        report_to=report_to or "none",
+        run_name=config.run_name,
         disable_tqdm=True,
         dataloader_num_workers=0,
         **{checkpointing: config.gradient_checkpointing},

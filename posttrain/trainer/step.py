@@ -7,6 +7,8 @@ one version stale, or numerically different). The result is written atomically a
 ``<output_dir>/checkpoint-<step>/``: weights (safetensors), config, tokenizer files,
 ``optimizer.pt`` (AdamW moments carry over to the next step) and ``trainer_state.json``
 (a ``PolicyState``). Re-running the same step finds its checkpoint and does nothing.
+The update's metrics also go to the ``report_to`` trackers (``posttrain.trainer.tracking``): one
+point per update at step = the policy version trained from, so the rounds of a run draw one curve.
 
 Launched as several processes (torchrun, one node or many), each rank takes every world_size-th
 micro-batch and the gradients are summed over ranks before clipping: the same update as one
@@ -40,6 +42,7 @@ from posttrain.trainer.grpo_math import (
     truncated_importance_weights,
 )
 from posttrain.trainer.probe import write_checkpoint_probe
+from posttrain.trainer.tracking import log_update
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +180,8 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         mean_reward=sum(r.reward for r in fresh) / len(fresh),
         rollouts_used=float(len(fresh)),
         rollouts_dropped_stale=float(dropped),
+        staleness_mean=sum(version - r.policy_version for r in fresh) / len(fresh),
+        staleness_max=float(max(version - r.policy_version for r in fresh)),
         optimizer_state_restored=float(restored),
     )
     state = PolicyState(
@@ -192,6 +197,8 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     )
     if ranks.is_main:
         _save_atomically(model, optimizer, model_dir, target, state, base_ref)
+        # after the save: a retry of a step that is written finds it and logs no second point
+        log_update(config, version, metrics, model=model)
     distributed.barrier()  # every rank returns once the checkpoint exists
     return TrainingResult(
         mode="step",

@@ -14,6 +14,7 @@ from posttrain.storage import open_store
 from tests.pipeline.conftest import NIGHTLY
 from tests.pipeline.runs import prefect_cli, run_deployment, wait_final
 from tests.pipeline.test_flows_events import assert_nightly_events
+from tests.support.tensorboard import scalar_curves
 
 pytestmark = pytest.mark.slow
 
@@ -80,13 +81,19 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
         run_dir = tiny_setup.shared_dir / "runs" / run_name
         assert (run_dir / "training-job.json").is_file()
         assert (run_dir / "output" / "checkpoint-2").is_dir()
+        # report_to: tensorboard (the default): TRL's curves in the run folder, one point per step.
+        curves = scalar_curves(run_dir / "tensorboard")
+        assert [s for s, _ in curves["train/loss"]] == [s for s, _ in curves["train/reward"]] == [1, 2], curves
         assert_nightly_events(tiny_setup, str(run.id), run_name, entries)
 
         # Its artifacts, keyed by the user-given run name: watch progress (done), the link to the
-        # training logs, the snapshots table (a delta's % of full; a full snapshot says "full").
+        # training logs, where the training curves are, the snapshots table (a delta's % of full; a
+        # full snapshot says "full").
         artifacts = flow_run_artifacts(run.id)
         found = {(a.type, a.key): a for a in artifacts}
-        assert len(found) == len(artifacts) == 3, [(a.type, a.key) for a in artifacts]  # one card per kind
+        assert len(found) == len(artifacts) == 4, [(a.type, a.key) for a in artifacts]  # one card per kind
+        metrics = str(found[("markdown", "flows-nightly-training-metrics")].data)
+        assert f"`tensorboard --logdir {run_dir / 'tensorboard'}`" in metrics, metrics
         assert found[("progress", "flows-nightly-training-progress")].data == 100.0
         assert "log:" in str(found[("markdown", "flows-nightly-training-job")].data)
         table = json.loads(found[("table", "flows-nightly-nightly-snapshots")].data)
@@ -99,7 +106,7 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
     keyed = [a for a in flow_run_artifacts(*run_ids) if a.key]
     with get_client(sync_client=True) as client:
         history = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": list(kinds.values())}))
-    assert {a.key for a in keyed} == set(kinds.values()), keyed
+    assert {a.key for a in keyed} == {*kinds.values(), "flows-nightly-training-metrics"}, keyed
     for kind, key in kinds.items():
         versions = [a for a in keyed if a.key == key]
         assert all(a.type == kind for a in versions), versions

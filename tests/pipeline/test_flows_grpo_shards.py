@@ -14,6 +14,7 @@ from posttrain.pipeline.tasks.report import round_table_rows
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
 from tests.pipeline.run_events import named, wait_events
 from tests.pipeline.runs import overlapping, read_flow_run, subflow_runs, task_runs
+from tests.support.tensorboard import scalar_curves
 
 pytestmark = pytest.mark.slow
 
@@ -105,12 +106,20 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
     by_type = sorted((a.type, a.key) for a in artifacts if a.key)  # one card per kind, keyed by the run name
     assert by_type == [("markdown", "flows-grpo-flaky-reward-curve"), ("markdown", "flows-grpo-flaky-training-job"),
+                       ("markdown", "flows-grpo-flaky-training-metrics"),
                        ("table", "flows-grpo-flaky-rounds")], by_type
     table = next(a for a in artifacts if a.key == "flows-grpo-flaky-rounds")
     curve = next(a for a in artifacts if a.key == "flows-grpo-flaky-reward-curve")
     assert "](data:image/svg+xml;base64," in curve.data
     shown = json.loads(table.data)  # the result's rows, in the table's short form
     assert shown == round_table_rows(state.result().rounds), shown
+    # Where the training curves are: the run folder's TensorBoard folder, one point for the one round.
+    logdir = tiny_setup.shared_dir / "runs" / name / "tensorboard"
+    assert state.result().tensorboard_dir == str(logdir)
+    metrics = next(a for a in artifacts if a.key == "flows-grpo-flaky-training-metrics")
+    assert f"`tensorboard --logdir {logdir}`" in metrics.data and f"tensorboard --logdir {logdir}" in table.description
+    curves = scalar_curves(logdir)
+    assert curves["train/loss"][0][0] == 0 and len(curves["train/loss"]) == len(curves["train/reward"]) == 1
 
     # Its events: the round finished (with the round's rewards and snapshot), the step job's end.
     events = wait_events(flow_run_id, lambda ev: named(ev, "posttrain.round.finished")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.lora import peft_merged
+from tests.support.tensorboard import scalar_curves
 from tests.support.tensors import load_bytes, tensor_bytes
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,11 @@ def test_grpo_lora_rounds_train_one_adapter_and_serve_its_merge(tiny_setup):
     assert state.is_completed(), state.message
     report = state.result()
     assert [r["kind"] for r in report.rounds] == ["full", "delta"]
+    # report_to: tensorboard (the default): one point per round, at step = the round, each round's job
+    # (a process of its own) adding to the run folder's curves.
+    curves = scalar_curves(report.tensorboard_dir)
+    assert [s for s, _ in curves["train/loss"]] == [s for s, _ in curves["train/reward"]] == [0, 1], curves
+    assert report.tensorboard_dir == str(Path(report.run_dir) / "tensorboard")
     final = Path(report.final_checkpoint)
     adapter = read_adapter(final)
     assert adapter.base.path == str(tiny_setup.base_model) and final.name == "checkpoint-2"

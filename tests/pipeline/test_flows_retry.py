@@ -115,7 +115,8 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     progress = [a for a in artifacts if a.type == "progress"]
     assert [(a.key, a.data) for a in progress] == [(f"{RUN}-training-progress", 100.0)], progress
     keyed = sorted((a.type, a.key) for a in artifacts if a.key)
-    assert keyed == [("markdown", f"{RUN}-training-job"), ("progress", f"{RUN}-training-progress"),
+    assert keyed == [("markdown", f"{RUN}-training-job"), ("markdown", f"{RUN}-training-metrics"),
+                     ("progress", f"{RUN}-training-progress"),
                      ("table", f"{RUN}-nightly-snapshots")], artifacts
 
     # 3. Training was not submitted again: same job, one job folder, one trainer result.

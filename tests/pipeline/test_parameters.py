@@ -156,6 +156,36 @@ def test_lora_group_is_flat_and_reaches_the_trainer():
         from_parameters(NightlySettings, {**NIGHTLY, "r": 0})
 
 
+def test_trackers_are_parameters_of_both_flows_and_the_run_name_is_their_default():
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+    from posttrain.pipeline.settings import trainer_config
+
+    for flow in (nightly_post_training, grpo):
+        properties = schema(flow)["properties"]
+        assert {"report_to", "tracker_run_name"} <= set(properties), flow.name
+        assert "logging_dir" not in properties  # the flows put it in the run folder
+        assert properties["report_to"]["default"] == ["tensorboard"]
+    filled = dict(mode="grpo", model_name_or_path="/m", output_dir="/shared/runs/n-1/output",
+                  dataset_manifest="/d.json", logging_dir="/shared/runs/n-1/tensorboard")
+    plain = from_parameters(NightlySettings, NIGHTLY)
+    config = trainer_config(plain.trainer, plain.lora, run_name="n-1", **filled)
+    assert (config.report_to, config.run_name) == (["tensorboard"], "n-1")
+    assert str(config.tensorboard_dir) == "/shared/runs/n-1/tensorboard"
+    named = from_parameters(NightlySettings, {**NIGHTLY, "report_to": ["tensorboard", "wandb"],
+                                              "tracker_run_name": "night-of-the-21st"})
+    assert from_parameters(NightlySettings, to_parameters(named)) == named
+    config = trainer_config(named.trainer, named.lora, run_name="n-1", **filled)
+    assert (config.report_to, config.run_name) == (["tensorboard", "wandb"], "night-of-the-21st")
+    step = from_parameters(GrpoSettings, {**BASE, "report_to": ["none"]})
+    assert trainer_config(step.trainer, step.lora, run_name="g-1", mode="step", model_name_or_path="/m",
+                          output_dir="/o", rollouts="/r.jsonl").trackers == []
+    with pytest.raises(ParameterError, match="^report_to: .*none"):
+        from_parameters(NightlySettings, {**NIGHTLY, "report_to": ["none", "tensorboard"]})
+    with pytest.raises(ParameterError, match="^report_to: "):
+        from_parameters(NightlySettings, {**NIGHTLY, "report_to": ["Weights & Biases"]})
+
+
 def test_block_parameters_open_the_run_form_on_their_name():
     """The UI's run form shows a tab per ``anyOf`` member and opens the first whose JSON ``type`` is
     the value's: a block's name (a string) is a flat string member, first and titled; a nested

@@ -58,3 +58,22 @@ def test_the_rounds_table_shows_a_short_snapshot_and_every_other_value():
                            "hot-load s", "round s"]
     assert [v for k, v in shown.items() if k != "snapshot"] == [1, 16, 0.4375, 0.4961, 0.0625, "12.34", 1.23, 0.45,
                                                                 12.34]
+
+
+def test_the_training_metrics_artifact_names_the_tensorboard_folder_and_command():
+    from posttrain.pipeline.tasks.report import tensorboard_line, training_metrics_markdown
+    from posttrain.trainer.config import TrainerConfig
+
+    step = TrainerConfig(mode="step", model_name_or_path="/m", output_dir="/shared/runs/g-1/policy",
+                         rollouts="/r.jsonl", run_name="g-1", logging_dir="/shared/runs/g-1/tensorboard")
+    md = training_metrics_markdown(step)
+    assert "`tensorboard --logdir /shared/runs/g-1/tensorboard`" in md and "one point per round" in md
+    assert "tensorboard --logdir /shared/runs`" in md  # every run of the shared folder
+    assert tensorboard_line(step).endswith("tensorboard --logdir /shared/runs/g-1/tensorboard")
+    # without logging_dir: the folder beside output_dir, as in the flows
+    assert "/shared/runs/g-1/tensorboard" in tensorboard_line(step.model_copy(update={"logging_dir": None}))
+    none = step.model_copy(update={"report_to": ["none"]})
+    assert "report_to is none" in training_metrics_markdown(none) and tensorboard_line(none) == ""
+    wandb = step.model_copy(update={"report_to": ["wandb"]})
+    assert "wandb: look for the run `g-1`" in training_metrics_markdown(wandb)
+    assert "tensorboard --logdir" not in training_metrics_markdown(wandb)

@@ -9,6 +9,7 @@ import pytest
 from posttrain.rollouts.format import Rollout, write_rollouts
 from posttrain.trainer import TrainerConfig, run_training
 from posttrain.trainer.checkpoints import complete_checkpoints
+from tests.support.tensorboard import scalar_curves
 
 
 @pytest.fixture
@@ -61,6 +62,14 @@ def test_checkpoints_then_resumes_instead_of_restarting(grpo_config):
 
     third = run_training(grpo_config(max_steps=4))
     assert (third.already_done, third.global_step, third.checkpoint) == (True, 4, out / "checkpoint-4")
+
+    # report_to: tensorboard (the default): TRL's logs, one point per logging step, in the run folder's
+    # tensorboard/ (beside output_dir), the resumed attempt going on with the same curves.
+    assert not (out / "runs").exists()  # not transformers' default place
+    curves = scalar_curves(out.parent / "tensorboard")
+    for tag in ("train/loss", "train/reward", "train/grad_norm"):
+        assert [step for step, _ in curves[tag]] == [1, 2, 3, 4], tag
+    assert curves["train/reward"][-1][1] == pytest.approx(second.metrics["reward"])
 
     # A step run can continue from a Trainer checkpoint: its version is its global step.
     rollouts = [

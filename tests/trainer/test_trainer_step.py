@@ -14,6 +14,7 @@ from posttrain.testing.sampler import sample_rollouts
 from posttrain.trainer import TrainerConfig, run_training
 from posttrain.trainer.checkpoints import inspect_checkpoint
 from posttrain.trainer.step import StepError
+from tests.support.tensorboard import scalar_curves
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,55 @@ def test_out_of_vocabulary_tokens_and_stop_requests(tiny_model_dir, rollouts, tm
     )
     assert result.stopped_early and result.checkpoint is None
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_each_round_logs_one_point_per_metric_to_tensorboard(tiny_model_dir, rollouts, tmp_path):
+    """Rounds as the GRPO flow runs them (one process each in the flow): successive updates append to
+    the run's curves, at step = the round (the policy version trained from)."""
+    path = write_rollouts(tmp_path / "v0.jsonl", rollouts)
+    policy, results = tiny_model_dir, []
+    for _ in range(3):
+        result = run_training(_config(policy, tmp_path / "policy", path, max_staleness=2, run_name="tb-run"))
+        policy = result.checkpoint
+        results.append(result)
+    assert not (tmp_path / "policy" / "runs").exists()  # not transformers' default place
+    curves = scalar_curves(tmp_path / "tensorboard")  # the run folder's, beside output_dir
+    for tag, key in (("train/loss", "loss"), ("train/reward", "mean_reward"), ("train/grad_norm", "grad_norm"),
+                     ("train/is_weight_mean", "is_weight_mean"), ("train/staleness_mean", "staleness_mean")):
+        assert [step for step, _ in curves[tag]] == [0, 1, 2], tag
+        assert [v for _, v in curves[tag]] == pytest.approx([r.metrics[key] for r in results], rel=1e-5), tag
+    assert [v for _, v in curves["train/staleness_max"]] == [0.0, 1.0, 2.0]  # version-0 rollouts throughout
+
+    again = run_training(_config(results[0].checkpoint, tmp_path / "policy", path,
+                                 max_staleness=2))  # a retried round 1 finds its step written: no second point
+    assert again.already_done
+    assert [step for step, _ in scalar_curves(tmp_path / "tensorboard")["train/loss"]] == [0, 1, 2]
+
+
+def test_report_to_none_and_other_trackers_in_step_mode(tiny_model_dir, rollouts, tmp_path, monkeypatch):
+    """none writes no event files; another tracker gets the point through transformers' integration
+    callback, with the run name; a tracker that fails never fails the step."""
+    from transformers import TrainerCallback
+    from transformers.integrations import integration_utils
+
+    seen = []
+
+    class Recorder(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append((args.run_name, state.global_step, logs))
+
+    class Broken(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            raise RuntimeError("no account")
+
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "recorder", Recorder)
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "broken", Broken)
+    path = write_rollouts(tmp_path / "v0.jsonl", rollouts)
+    none = run_training(_config(tiny_model_dir, tmp_path / "a" / "out", path, report_to=["none"]))
+    assert none.completed and not (tmp_path / "a" / "tensorboard").exists()
+    result = run_training(_config(tiny_model_dir, tmp_path / "b" / "out", path, report_to=["broken", "recorder"],
+                                  run_name="night-1"))
+    assert result.completed and not (tmp_path / "b" / "tensorboard").exists()
+    [(name, step, logs)] = seen
+    assert (name, step) == ("night-1", 0)
+    assert logs["loss"] == result.metrics["loss"] and logs["reward"] == result.metrics["mean_reward"]

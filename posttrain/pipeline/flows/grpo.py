@@ -22,7 +22,13 @@ from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_con
 from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
-from posttrain.pipeline.tasks.report import reward_curve, reward_curve_svg, round_table, size_column
+from posttrain.pipeline.tasks.report import (
+    reward_curve,
+    reward_curve_svg,
+    round_table,
+    size_column,
+    training_metrics,
+)
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import cancel_submitted, train_step
@@ -39,6 +45,7 @@ class GrpoReport(BaseModel):
     final_snapshot: str
     reward_curve: str
     run_dir: str
+    tensorboard_dir: str | None = None
 
 
 @flow(name="grpo", flow_run_name=flow_run_name, log_prints=True,
@@ -78,7 +85,10 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         n, mean, std, spread = pooled_rewards(shards)
         trainer = trainer_config(settings.trainer, settings.lora, mode="step", model_name_or_path=current,
                                  output_dir=run_dir / "policy", rollouts=rollouts,
-                                 temperature=settings.rollout.temperature)
+                                 temperature=settings.rollout.temperature, logging_dir=run_dir / "tensorboard",
+                                 run_name=settings.run_name)
+        if r == 0:
+            training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
         current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
                              card=card)
         table.append({
@@ -88,7 +98,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
             "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
             "round s": round(time.perf_counter() - t0, 2),
         })
-        round_table(card, table)
+        round_table(card, table, trainer)
         events.round_finished(settings.run_name, r, n, mean, std, identity)
         reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
         logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
@@ -98,4 +108,6 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
-                      final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir))
+                      final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir),
+                      tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in settings.trainer.report_to
+                      else None)

@@ -21,7 +21,7 @@ from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_
 from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import progress as progress_artifact
-from posttrain.pipeline.tasks.report import size_column, snapshots_table
+from posttrain.pipeline.tasks.report import size_column, snapshots_table, training_metrics
 from posttrain.pipeline.tasks.retention import collect_garbage
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import cancel_submitted, submit, watch_job
@@ -46,6 +46,7 @@ class NightlyReport(BaseModel):
     final_step: int | None
     run_dir: str
     promotion: dict | None = None
+    tensorboard_dir: str | None = None
 
 
 @flow(name="nightly-post-training", flow_run_name=flow_run_name, log_prints=True,
@@ -63,8 +64,10 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     check_reward_funcs(settings.trainer.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     trainer = trainer_config(settings.trainer, settings.lora, mode="grpo", model_name_or_path=settings.base_model,
-                             output_dir=run_dir / "output", dataset_manifest=staged.manifest_path)
+                             output_dir=run_dir / "output", dataset_manifest=staged.manifest_path,
+                             logging_dir=run_dir / "tensorboard", run_name=settings.run_name)
     job = submit(settings.cluster, settings.run_name, trainer, str(run_dir / "training-job.json"), card=card)
+    training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
     total = trainer.max_steps or 1
     progress = progress_artifact(card)  # a retried run goes on with the progress artifact of its first attempt
     rows = []
@@ -86,7 +89,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
         update_progress_artifact(progress, min(100.0, 100.0 * ckpt.step / total))
     result = completed_result(job)
     update_progress_artifact(progress, 100.0)
-    snapshots_table(card, rows)
+    snapshots_table(card, rows, trainer)
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
                 result.global_step)
     promotion = promote_last(settings, rows) if settings.promote_to and rows else None
@@ -98,7 +101,8 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
 
     return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,
                          final_step=result.global_step, run_dir=str(run_dir),
-                         promotion=promotion.model_dump() if promotion else None)
+                         promotion=promotion.model_dump() if promotion else None,
+                         tensorboard_dir=str(trainer.tensorboard_dir) if "tensorboard" in trainer.report_to else None)
 
 
 def promote_last(settings: NightlySettings, rows: list[dict]):

@@ -1,4 +1,5 @@
-"""Artifacts: per-round tables, checkpoint-watch progress, cluster log links, the reward curve.
+"""Artifacts: per-round tables, checkpoint-watch progress, cluster log links, the reward curve,
+where the training metrics are (TensorBoard's log folder and command).
 
 Keys come from the user-given run name (not the flow run's suffixed one), so each kind has one
 key per deployment run name and Prefect keeps a version per night. Within one flow run each kind
@@ -76,20 +77,22 @@ def round_table_rows(rows: list[dict]) -> list[dict]:
              for key, header in ROUND_COLUMNS.items()} for row in rows]
 
 
-def round_table(run_name: str, rows: list[dict]) -> None:
+def round_table(run_name: str, rows: list[dict], trainer=None) -> None:
+    """The rounds table; with ``trainer`` (the round's TrainerConfig), its description says where the
+    training curves are (``tensorboard_line``)."""
     key = artifact_key(run_name, "rounds")
     description = ("GRPO rounds (the round is its rollouts' policy version): reward mean and std over the round's "
                    "samples, the std of the shards' means, the snapshot published (its hash's first 8 hex digits; "
                    "the full identity is in the run's logs, events and result), its size (a delta's % of the full "
-                   "weights, or full), publish, hot-load and round seconds")
+                   "weights, or full), publish, hot-load and round seconds" + tensorboard_line(trainer))
     shown = round_table_rows(rows)
     _upsert(key, "table", json.dumps(shown), description,
             lambda: create_table_artifact(shown, key=key, description=description))
 
 
-def snapshots_table(run_name: str, rows: list[dict]) -> None:
+def snapshots_table(run_name: str, rows: list[dict], trainer=None) -> None:
     key = artifact_key(run_name, "nightly-snapshots")
-    description = "Checkpoints of the nightly run: snapshot, size, publish and hot-load times"
+    description = "Checkpoints of the nightly run: snapshot, size, publish and hot-load times" + tensorboard_line(trainer)
     _upsert(key, "table", json.dumps(rows), description,
             lambda: create_table_artifact(rows, key=key, description=description))
 
@@ -117,6 +120,45 @@ def log_links(run_name: str, job_id: str, log_path: str | None, backend: str) ->
         md += f"- `kubectl logs -f job/{job_id}`, `kubectl delete job {job_id}`\n"
     key = artifact_key(run_name, "training-job")
     description = "Where the training logs are"
+    _upsert(key, "markdown", md, description,
+            lambda: create_markdown_artifact(md, key=key, description=description))
+
+
+def tensorboard_line(trainer) -> str:
+    """A sentence for an artifact's description: where the run's TensorBoard curves are ("" without them)."""
+    if trainer is None or "tensorboard" not in trainer.report_to:
+        return ""
+    return f". Training curves (loss, reward, ...): tensorboard --logdir {trainer.tensorboard_dir}"
+
+
+def training_metrics_markdown(trainer) -> str:
+    """Where a run's training metrics go: each tracker of ``report_to``; for TensorBoard, its log
+    folder and the command that shows it."""
+    trackers = trainer.trackers
+    if not trackers:
+        return ("### Training metrics\n\nreport_to is none: the metrics are only in the checkpoints' "
+                "`trainer_state.json` (and the flow's result).\n")
+    md = "### Training metrics\n\n"
+    per_point = ("one point per round (step = the round)" if trainer.mode == "step"
+                 else f"one point every {trainer.logging_steps} optimizer step(s)")
+    md += f"Trackers: {', '.join(f'`{t}`' for t in trackers)}; {per_point}"
+    md += f", run name `{trainer.run_name}`.\n\n" if trainer.run_name else ".\n\n"
+    if "tensorboard" in trackers:
+        logdir = trainer.tensorboard_dir
+        md += (f"- TensorBoard event files: `{logdir}`\n"
+               f"- view them: `tensorboard --logdir {logdir}` (then http://localhost:6006), "
+               f"or every run of the store's shared folder: `tensorboard --logdir {logdir.parent.parent}`\n")
+    others = [t for t in trackers if t != "tensorboard"]
+    if others:
+        md += f"- {', '.join(others)}: look for the run `{trainer.run_name}` in their own UI\n"
+    return md
+
+
+def training_metrics(run_name: str, trainer) -> None:
+    """The run's "where are the training curves" artifact (``training_metrics_markdown``)."""
+    md = training_metrics_markdown(trainer)
+    key = artifact_key(run_name, "training-metrics")
+    description = "Where the training metrics (loss, reward, gradient norm) are"
     _upsert(key, "markdown", md, description,
             lambda: create_markdown_artifact(md, key=key, description=description))
 
