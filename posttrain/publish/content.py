@@ -32,3 +32,13 @@ def head_content(path: Path, digests: dict[str, str]) -> str:
     """Content digest from the chain head's tensor digests and the checkpoint's layout (no reading)."""
     layout = Checkpoint.open(path).layout()
     return content_digest({n: (dtype, shape, digests[n]) for n, (dtype, shape) in layout.items()})
+
+
+def saved_at(path: Path) -> float | None:
+    """When a checkpoint folder was saved: the newest modification time of its files (the trainer
+    writes a checkpoint whole, then moves it into place); None for an empty or missing folder."""
+    try:
+        times = [p.stat().st_mtime for p in Path(path).rglob("*") if p.is_file()]
+    except OSError:
+        return None
+    return max(times) if times else None

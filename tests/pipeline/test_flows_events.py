@@ -69,6 +69,7 @@ def assert_nightly_events(setup, flow_run_id: str, name: str, entries: list) -> 
         assert e.resource.name == entry.identity
         assert (e.payload["step"], e.payload["kind"]) == (entry.step, entry.kind)
         assert e.payload["stored_bytes"] > 0 and e.payload["store"] == "posttrain-object-store/default"
+        assert 0 < e.payload["publish_lag_seconds"] < 600  # from the checkpoint's save to its publication
         assert {run_id, "posttrain.block.posttrain-object-store.default"} <= related_ids(e)
         assert any(r.id.startswith("prefect.task-run.") for r in e.related)
 

@@ -75,12 +75,14 @@ def _emit(event: str, resource: dict[str, str], related: list[dict[str, str]], p
     emit_event(event, resource=resource, related=related, payload=payload, id=id)
 
 
-def snapshot_published(run_name: str, store: str, snapshot) -> None:
-    """``snapshot``: a ``posttrain.publish.PublishedSnapshot``."""
+def snapshot_published(run_name: str, store: str, snapshot, publish_lag_seconds: float | None = None) -> None:
+    """``snapshot``: a ``posttrain.publish.PublishedSnapshot``; ``publish_lag_seconds``: from the checkpoint's
+    save to its publication, when known."""
     resource = snapshot_resource(snapshot.identity) | {"posttrain.kind": snapshot.kind,
                                                        "posttrain.step": str(snapshot.step)}
     payload = {"run_name": run_name, "step": snapshot.step, "kind": snapshot.kind, "base": snapshot.base,
-               "stored_bytes": snapshot.stored_bytes, "uploaded_bytes": snapshot.uploaded_bytes, "store": store}
+               "stored_bytes": snapshot.stored_bytes, "uploaded_bytes": snapshot.uploaded_bytes, "store": store,
+               "publish_lag_seconds": None if publish_lag_seconds is None else round(publish_lag_seconds, 3)}
     _emit("posttrain.snapshot.published", resource, [run_resource(run_name), block_resource(store, "store")],
           payload, id=_once("posttrain.snapshot.published", run_name, snapshot.identity))
 

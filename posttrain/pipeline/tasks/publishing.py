@@ -5,6 +5,7 @@ deployment block's loader)."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -21,6 +22,7 @@ from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import is_transient, transient_only
 from posttrain.publish import PublishConfig, PublishedSnapshot, Publisher
+from posttrain.publish.content import saved_at
 
 
 def open_publisher(run: RunSettings) -> Publisher:
@@ -43,9 +45,11 @@ def publish_checkpoint(checkpoint: str, step: int, run: RunSettings) -> Publishe
     """Encode and upload one checkpoint; a retry finds what was published and uploads nothing."""
     with open_publisher(run) as publisher:
         done = publisher.publish_step(Path(checkpoint), step)
-    get_run_logger().info("published %s %s (step %d): %d bytes, uploaded %d", done.kind, done.identity, step,
-                          done.stored_bytes, done.uploaded_bytes)
-    events.snapshot_published(run.run_name, run.store, done)
+    saved = saved_at(Path(checkpoint))
+    lag = time.time() - saved if saved is not None else None  # saved -> published (docs/metrics.md)
+    get_run_logger().info("published %s %s (step %d): %d bytes, uploaded %d%s", done.kind, done.identity, step,
+                          done.stored_bytes, done.uploaded_bytes, f"; {lag:.1f}s after it was saved" if lag else "")
+    events.snapshot_published(run.run_name, run.store, done, publish_lag_seconds=lag)
     return done
 
 
