@@ -53,7 +53,7 @@ def related_ids(event) -> set[str]:
 def assert_goodput_adds_up(flow_run_id: str | UUID, artifact, tolerance: float = 0.02) -> dict[str, float]:
     """A run's goodput artifact (docs/goodput.md): its categories, none negative, add up to the flow
     run's wall time as the server records it (start -> end) within ``tolerance``, and its
-    ``posttrain.run.goodput`` event carries the same figures. Returns seconds by category."""
+    ``posttrain.run.goodput`` event carries the same figures. Returns the event's (unrounded) seconds by category."""
     import json
 
     from tests.pipeline.runs import read_flow_run
@@ -67,4 +67,4 @@ def assert_goodput_adds_up(flow_run_id: str | UUID, artifact, tolerance: float =
     (event,) = named(wait_events(flow_run_id, lambda ev: named(ev, "posttrain.run.goodput")), "posttrain.run.goodput")
     assert {c: round(s, 2) for c, s in event.payload["seconds"].items()} == seconds
     assert abs(event.payload["goodput"] - event.payload["seconds"]["training"] / event.payload["wall_s"]) < 1e-9
-    return seconds
+    return event.payload["seconds"]
