@@ -29,7 +29,8 @@ into the job folder), not the ``TrainingJob`` callable, because a command:
   submitit's, and the log shows exactly what the user would see running it by hand.
 
 Each attempt appends its ``TrainingResult`` to ``<output_dir>/.posttrain/<name>-<run_id>.results.jsonl``
-(``--result-file``), which is how the submitter learns where an attempt resumed from.
+(``--result-file``), which is how the submitter learns where an attempt resumed from, and its
+timeline beside it (``<name>-<run_id>.timeline.jsonl``: start, model loaded, steps, saves, end).
 Pure pydantic: no torch, no submitit, nothing contacted.
 """
 
@@ -46,6 +47,7 @@ from posttrain.cluster.config import CONFIG_TYPES, KubernetesConfig, LocalConfig
 from posttrain.cluster.errors import ConfigError
 from posttrain.cluster.spec import NAME_MAX, JobName, JobSpec, RunId, new_run_id
 from posttrain.trainer.config import TrainerConfig, TrainingResult
+from posttrain.trainer.timeline import timeline_file_for
 
 TRAINER_FILE = "trainer.yaml"
 RESULTS_DIR = ".posttrain"
@@ -208,6 +210,11 @@ def trainer_yaml(trainer: TrainerConfig) -> str:
 def results_path(output_dir: str | Path, name: str, run_id: str) -> str:
     """Where the attempts of run ``name``/``run_id`` append their TrainingResult (one JSON line each)."""
     return f"{str(output_dir).rstrip('/')}/{RESULTS_DIR}/{name}-{run_id}.results.jsonl"
+
+
+def timeline_path(output_dir: str | Path, name: str, run_id: str) -> str:
+    """Where rank 0 of each attempt of run ``name``/``run_id`` appends its timeline (``posttrain.trainer.timeline``)."""
+    return timeline_file_for(results_path(output_dir, name, run_id))
 
 
 def read_results(output_dir: str | Path, name: str, run_id: str) -> list[TrainingResult]:

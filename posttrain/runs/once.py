@@ -27,10 +27,11 @@ from posttrain.cluster import ClusterConfig, JobHandle, JobState, open_backend
 from posttrain.cluster.spec import NAME_MAX
 from posttrain.fsutil import atomic_write
 from posttrain.runs.follow import TrainingRun, submit_training
-from posttrain.runs.job import TrainingSettings, read_results
+from posttrain.runs.job import TrainingSettings, read_results, timeline_path
 from posttrain.runs.watch import load_cursor, watch_checkpoints
 from posttrain.trainer.checkpoints import CheckpointInfo, complete_checkpoints
 from posttrain.trainer.config import TrainingResult
+from posttrain.trainer.timeline import Attempt, read_timeline
 
 # Runs submitted by this process, by job id: their handles follow them best.
 _RUNS: dict[str, TrainingRun] = {}
@@ -53,6 +54,10 @@ class JobRecord(BaseModel):
     pgid: int | None = Field(
         None, description="Local jobs: the process group of the whole job (None on other backends)."
     )
+    submitted_at: float | None = Field(
+        None, description="When it was submitted (seconds since the epoch, just before the submission): "
+        "queue wait is its first attempt's start minus this."
+    )
 
     def local_dir(self) -> Path:
         """The output folder as this machine sees it; a ValueError when it cannot see it."""
@@ -74,14 +79,23 @@ def submit_once(config: TrainingSettings, marker: Path) -> tuple[JobRecord, bool
     """The job recorded in ``marker``, or a new submission recorded there (durably); True when new."""
     if marker.exists():
         return JobRecord.model_validate_json(marker.read_text()), False
+    submitted_at = time.time()
     run = submit_training(config)
     _RUNS[run.job_id] = run
     record = JobRecord(job_id=run.job_id, run_id=run.spec.run_id, name=run.spec.name, backend=config.backend,
                        log_path=run.log_path, output_dir=str(config.trainer.output_dir),
                        watch_dir=None if run.watch_dir is None else str(run.watch_dir),
-                       pgid=getattr(run, "pgid", None))
+                       pgid=getattr(run, "pgid", None), submitted_at=submitted_at)
     atomic_write(marker, record.model_dump_json(indent=2))
     return record, True
+
+
+def job_timeline(record: JobRecord) -> list[Attempt]:
+    """The trainer's attempts as its timeline records them (``posttrain.trainer.timeline``); empty when
+    the output folder is not visible here or nothing was recorded (yet)."""
+    if record.watch_dir is None:
+        return []
+    return read_timeline(timeline_path(record.local_dir(), record.name, record.run_id))
 
 
 def live_run(record: JobRecord) -> TrainingRun | None:

@@ -3,7 +3,8 @@
 Exit status: 0 when the run reached its end, 75 when SIGTERM or SIGUSR2 stopped it after a
 checkpoint (run it again to resume), 2 for a bad config or input. ``--result-file PATH`` appends
 each attempt's TrainingResult to PATH as one JSON line (rank 0 only), so whoever submitted the
-run can tell a resumed attempt from a fresh one.
+run can tell a resumed attempt from a fresh one; rank 0 also appends the attempt's timeline
+(start, model loaded, steps, saves, end) beside it (``posttrain.trainer.timeline``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="trainer YAML file (see posttrain.trainer.TrainerConfig)")
     parser.add_argument("--result-file", help="append this attempt's result as one JSON line to this file")
     args = parser.parse_args(argv)
+    from posttrain.trainer import timeline
+
+    # rank 0 records the attempt's timeline beside the results file (posttrain.trainer.timeline)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    tl = timeline.open_timeline(timeline.timeline_file_for(args.result_file) if args.result_file and rank0 else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from posttrain.datasets.staging import StagingError
@@ -48,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         distributed.shutdown()  # leave the process group (several ranks) before exiting
+    tl.mark("end", completed=result.completed, stopped_early=result.stopped_early, global_step=result.global_step)
     print(result.model_dump_json(indent=2))
     if args.result_file and int(os.environ.get("RANK", "0")) == 0:
         append_result(args.result_file, result.model_dump_json())

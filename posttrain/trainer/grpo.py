@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.lora.adapter import BaseRef, base_fingerprint, write_base_ref
 from posttrain.rollouts.scoring import load_reward_funcs
-from posttrain.trainer import distributed
+from posttrain.trainer import distributed, timeline
 from posttrain.trainer.checkpoints import (
     IncompleteCheckpoint,
     checkpoint_dirs,
@@ -84,7 +84,7 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         args=grpo_arguments(config, report_to=report_to),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        callbacks=[stopper, *trackers],
+        callbacks=[stopper, timeline.callback(), *trackers],
         peft_config=config.lora.peft_config() if config.lora else None,
     )
     if trainer.args.world_size > 1:

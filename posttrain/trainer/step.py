@@ -32,7 +32,7 @@ from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.lora.adapter import BaseRef, LoraError, base_fingerprint, is_adapter_dir, read_adapter, write_base_ref
 from posttrain.rollouts.format import Rollout, RolloutError, load_rollouts
 from posttrain.rollouts.scoring import group_advantages
-from posttrain.trainer import distributed
+from posttrain.trainer import distributed, timeline
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.grpo_math import (
@@ -173,7 +173,10 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     batches = [collate(fresh[i : i + size], advantages[i : i + size], pad_id) for i in range(0, len(fresh), size)]
     ranks = distributed.ranks()
     mine = batches[ranks.rank :: ranks.world_size]  # this rank's share; the totals stay the whole batch's
-    metrics = _train(model, ref_model, optimizer, batches, mine, config, stop_event, device)
+    tl = timeline.current()  # rank 0's records; a no-op elsewhere
+    tl.mark("loaded", step=start_step)
+    with tl.span("step", step=new_step):
+        metrics = _train(model, ref_model, optimizer, batches, mine, config, stop_event, device)
     if metrics is None:
         return TrainingResult(mode="step", global_step=start_step, completed=False, stopped_early=True, checkpoint=None)
     metrics.update(
@@ -196,7 +199,8 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
         created=datetime.now(UTC),
     )
     if ranks.is_main:
-        _save_atomically(model, optimizer, model_dir, target, state, base_ref)
+        with tl.span("save", step=new_step):
+            _save_atomically(model, optimizer, model_dir, target, state, base_ref)
         # after the save: a retry of a step that is written finds it and logs no second point
         log_update(config, version, metrics, model=model)
     distributed.barrier()  # every rank returns once the checkpoint exists

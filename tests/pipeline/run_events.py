@@ -48,3 +48,23 @@ def named(events: list, name: str) -> list:
 
 def related_ids(event) -> set[str]:
     return {r.id for r in event.related}
+
+
+def assert_goodput_adds_up(flow_run_id: str | UUID, artifact, tolerance: float = 0.02) -> dict[str, float]:
+    """A run's goodput artifact (docs/goodput.md): its categories, none negative, add up to the flow
+    run's wall time as the server records it (start -> end) within ``tolerance``, and its
+    ``posttrain.run.goodput`` event carries the same figures. Returns the event's (unrounded) seconds by category."""
+    import json
+
+    from tests.pipeline.runs import read_flow_run
+
+    rows = json.loads(artifact.data)
+    seconds = {r["category"]: float(r["seconds"]) for r in rows if r["category"] != "wall"}
+    assert min(seconds.values()) >= 0, seconds
+    run = read_flow_run(flow_run_id)
+    wall = (run.end_time - run.start_time).total_seconds()
+    assert abs(sum(seconds.values()) - wall) <= tolerance * wall, (sum(seconds.values()), wall, seconds)
+    (event,) = named(wait_events(flow_run_id, lambda ev: named(ev, "posttrain.run.goodput")), "posttrain.run.goodput")
+    assert {c: round(s, 2) for c, s in event.payload["seconds"].items()} == seconds
+    assert abs(event.payload["goodput"] - event.payload["seconds"]["training"] / event.payload["wall_s"]) < 1e-9
+    return event.payload["seconds"]

@@ -12,6 +12,7 @@ import pytest
 from posttrain.publish.ledger import Ledger
 from posttrain.storage import open_store
 from tests.pipeline.conftest import NIGHTLY
+from tests.pipeline.run_events import assert_goodput_adds_up
 from tests.pipeline.runs import prefect_cli, run_deployment, wait_final
 from tests.pipeline.test_flows_events import assert_nightly_events
 from tests.support.tensorboard import scalar_curves
@@ -88,10 +89,10 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
 
         # Its artifacts, keyed by the user-given run name: watch progress (done), the link to the
         # training logs, where the training curves are, the snapshots table (a delta's % of full; a
-        # full snapshot says "full").
+        # full snapshot says "full"), the goodput.
         artifacts = flow_run_artifacts(run.id)
         found = {(a.type, a.key): a for a in artifacts}
-        assert len(found) == len(artifacts) == 4, [(a.type, a.key) for a in artifacts]  # one card per kind
+        assert len(found) == len(artifacts) == 5, [(a.type, a.key) for a in artifacts]  # one card per kind
         metrics = str(found[("markdown", "flows-nightly-training-metrics")].data)
         assert f"`tensorboard --logdir {run_dir / 'tensorboard'}`" in metrics, metrics
         assert found[("progress", "flows-nightly-training-progress")].data == 100.0
@@ -99,9 +100,13 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
         table = json.loads(found[("table", "flows-nightly-nightly-snapshots")].data)
         assert [(r["step"], r["kind"]) for r in table] == [(1, "full"), (2, "delta")]
         assert table[0]["% of full"] == "full" and 0 < float(table[1]["% of full"]) < 100, table
+        # The goodput (docs/goodput.md) adds up to the flow run's wall time within 2%, from measured parts.
+        seconds = assert_goodput_adds_up(run.id, found[("table", "flows-nightly-goodput")])
+        assert min(seconds["queue"], seconds["startup"], seconds["training"], seconds["checkpoint"]) > 0, seconds
+        assert seconds["lost"] == 0 and seconds["orchestration"] > 0, seconds
 
     kinds = {"progress": "flows-nightly-training-progress", "markdown": "flows-nightly-training-job",
-             "table": "flows-nightly-nightly-snapshots"}
+             "table": "flows-nightly-nightly-snapshots", "goodput": "flows-nightly-goodput"}
     run_ids = [r.id for r in runs]
     keyed = [a for a in flow_run_artifacts(*run_ids) if a.key]
     with get_client(sync_client=True) as client:
@@ -109,7 +114,7 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
     assert {a.key for a in keyed} == {*kinds.values(), "flows-nightly-training-metrics"}, keyed
     for kind, key in kinds.items():
         versions = [a for a in keyed if a.key == key]
-        assert all(a.type == kind for a in versions), versions
+        assert all(a.type == ("table" if kind == "goodput" else kind) for a in versions), versions
         assert sorted(str(a.flow_run_id) for a in versions) == sorted(str(i) for i in run_ids), (key, versions)
         # both nights are versions of the one key (with any earlier runs of this server)
         assert {a.id for a in versions} <= {a.id for a in history if a.key == key}

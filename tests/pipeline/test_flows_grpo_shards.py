@@ -12,7 +12,7 @@ import pytest
 
 from posttrain.pipeline.tasks.report import round_table_rows
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
-from tests.pipeline.run_events import named, wait_events
+from tests.pipeline.run_events import assert_goodput_adds_up, named, wait_events
 from tests.pipeline.runs import overlapping, read_flow_run, subflow_runs, task_runs
 from tests.support.tensorboard import scalar_curves
 
@@ -106,8 +106,11 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
     by_type = sorted((a.type, a.key) for a in artifacts if a.key)  # one card per kind, keyed by the run name
     assert by_type == [("markdown", "flows-grpo-flaky-reward-curve"), ("markdown", "flows-grpo-flaky-training-job"),
-                       ("markdown", "flows-grpo-flaky-training-metrics"),
+                       ("markdown", "flows-grpo-flaky-training-metrics"), ("table", "flows-grpo-flaky-goodput"),
                        ("table", "flows-grpo-flaky-rounds")], by_type
+    # The goodput: the round's sampling, publish and step job (queue, start-up, training) add up to the wall time.
+    seconds = assert_goodput_adds_up(flow_run_id, next(a for a in artifacts if a.key == "flows-grpo-flaky-goodput"))
+    assert min(seconds["sampling"], seconds["publish"], seconds["startup"], seconds["training"]) > 0, seconds
     table = next(a for a in artifacts if a.key == "flows-grpo-flaky-rounds")
     curve = next(a for a in artifacts if a.key == "flows-grpo-flaky-reward-curve")
     assert "](data:image/svg+xml;base64," in curve.data

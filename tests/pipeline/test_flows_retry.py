@@ -116,7 +116,7 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     assert [(a.key, a.data) for a in progress] == [(f"{RUN}-training-progress", 100.0)], progress
     keyed = sorted((a.type, a.key) for a in artifacts if a.key)
     assert keyed == [("markdown", f"{RUN}-training-job"), ("markdown", f"{RUN}-training-metrics"),
-                     ("progress", f"{RUN}-training-progress"),
+                     ("progress", f"{RUN}-training-progress"), ("table", f"{RUN}-goodput"),
                      ("table", f"{RUN}-nightly-snapshots")], artifacts
 
     # 3. Training was not submitted again: same job, one job folder, one trainer result.

@@ -16,8 +16,10 @@ import pytest
 
 from posttrain.cluster import JobState
 from posttrain.runs.follow import TrainingRun, run_and_watch
-from posttrain.runs.job import parse_training_settings
+from posttrain.runs.goodput import JobTimeline, compute_goodput
+from posttrain.runs.job import parse_training_settings, timeline_path
 from posttrain.trainer.checkpoints import complete_checkpoints, last_complete_checkpoint
+from posttrain.trainer.timeline import read_timeline
 from tests.support.training import job_grpo_trainer, job_shared_dir
 
 pytestmark = pytest.mark.slow
@@ -146,7 +148,17 @@ def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_job
     assert steps == [c.step for c in complete_checkpoints(out)] and steps[-1] == 6
     # not from scratch: the checkpoints of the first attempt were never rewritten
     assert before and all((p / "trainer_state.json").stat().st_mtime_ns == t for p, t in before.items())
-    print(f"both nodes stopped {stopped_s:.1f} s after the requeue; resumed from checkpoint-{last.step}")
+    # Its timeline (docs/goodput.md): two attempts, and the time the requeue lost is measured:
+    # from the first attempt's last completed save to the second attempt's start.
+    attempts = read_timeline(timeline_path(out, run.spec.name, run.spec.run_id))
+    assert len(attempts) == 2 and not attempts[0].finished and attempts[1].finished, attempts
+    assert [a.slurm_restart_count for a in attempts] == [0, 1]
+    first, second = attempts
+    g = compute_goodput(first.start, second.ended, [JobTimeline(None, attempts)], [])
+    assert g.restarts == 1 and g.seconds["lost"] == pytest.approx(second.start - first.last_save_end)
+    assert g.seconds["lost"] > 0 and g.lost_restart_s > 0 and sum(g.seconds.values()) == pytest.approx(g.wall_s)
+    print(f"both nodes stopped {stopped_s:.1f} s after the requeue; resumed from checkpoint-{last.step}; "
+          f"lost {g.seconds['lost']:.1f} s ({g.lost_redone_s:.1f} s redone, {g.lost_restart_s:.1f} s restart gap)")
 
 
 @pytest.mark.timeout(300)

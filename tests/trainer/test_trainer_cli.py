@@ -70,10 +70,18 @@ def test_trainer_module_runs_a_step_and_rejects_bad_configs(tiny_model_dir, tmp_
         f"mode: step\nmodel_name_or_path: {tiny_model_dir}\noutput_dir: {tmp_path / 'out'}\n"
         f"rollouts: {path}\nlearning_rate: 1.0e-3\nuse_cpu: true\n"
     )
-    done = _run(["-m", "posttrain.trainer", str(config)])
+    results = tmp_path / "out" / ".posttrain" / "step-1.results.jsonl"
+    done = _run(["-m", "posttrain.trainer", str(config), "--result-file", str(results)])
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["completed"] and result["checkpoint"] == str(tmp_path / "out" / "checkpoint-1")
+    # the attempt's timeline beside the results: process start <= loaded <= step <= save <= end
+    from posttrain.trainer.timeline import read_timeline, timeline_file_for
+
+    events = [json.loads(line)["event"] for line in open(timeline_file_for(results))]
+    assert events == ["start", "loaded", "step_begin", "step_end", "save_begin", "save_end", "end"], events
+    (attempt,) = read_timeline(timeline_file_for(results))
+    assert attempt.finished and attempt.start <= attempt.loaded <= attempt.saves[0][0] <= attempt.ended
 
     config.write_text("mode: step\nmodel_name_or_path: m\noutput_dir: relative\n")
     bad = _run(["-m", "posttrain.trainer", str(config)])

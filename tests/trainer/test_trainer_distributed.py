@@ -65,6 +65,11 @@ def test_grpo_on_two_ranks_rank0_writes_every_checkpoint_file(tiny_model_dir, st
     assert any("checkpoint-2/rng_state_1.pth" in w for w in writes[0])  # rank 0 wrote rank 1's RNG state
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["global_step"], r["completed"]) for r in results] == [(2, True)]  # one line: rank 0's
+    from posttrain.trainer.timeline import read_timeline, timeline_file_for
+
+    (attempt,) = read_timeline(timeline_file_for(out / "results.jsonl"))  # rank 0's timeline, one attempt
+    assert attempt.finished and attempt.loaded is not None and [s for s, _, _ in attempt.steps] == [1, 2]
+    assert len(attempt.saves) == 2 and all(b <= e for b, e in attempt.saves)
 
 
 @pytest.mark.slow

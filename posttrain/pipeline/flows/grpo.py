@@ -21,6 +21,7 @@ from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks import events
 from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
+from posttrain.pipeline.tasks.goodput import FlowClock, report_goodput
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import (
     reward_curve,
@@ -55,6 +56,7 @@ class GrpoReport(BaseModel):
 def grpo(settings: GrpoSettings) -> GrpoReport:
     """GRPO rounds: publish and hot-load the policy, sample rollout shards from it, train one step."""
     logger = get_run_logger()
+    clock = FlowClock()  # the waits on publishing, hot-loads and sampling, for the goodput report
     card = settings.run_name  # artifact keys: one per run name, a version per run
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
@@ -67,9 +69,11 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     table: list[dict] = []
     for r in range(settings.rounds):
         t0 = time.perf_counter()
-        snapshot = publish_weights(current, r, settings)
+        with clock.wait("publish"):
+            snapshot = publish_weights(current, r, settings)
         t_pub = time.perf_counter() - t0
-        loaded = hot_load(snapshot, settings) if settings.inference else None
+        with clock.wait("hot-load"):
+            loaded = hot_load(snapshot, settings) if settings.inference else None
         t_load = time.perf_counter() - t0 - t_pub
         round_dir = run_dir / "rounds" / f"{r:04d}"
         # The shards check that every reply comes from this snapshot: what was hot-loaded (a full
@@ -78,10 +82,11 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
                             policy_version=r, round_dir=round_dir, identity=identity)
         tokenizer_dir = settings.base_model if settings.lora.use_lora else current  # LoRA keeps the tokenizer
-        futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
-                                         unmapped(tokenizer_dir))
-        shards = futures.result()
-        rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
+        with clock.wait("sampling"):
+            futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
+                                             unmapped(tokenizer_dir))
+            shards = futures.result()
+            rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
         n, mean, std, spread = pooled_rewards(shards)
         trainer = trainer_config(settings.trainer, settings.lora, mode="step", model_name_or_path=current,
                                  output_dir=run_dir / "policy", rollouts=rollouts,
@@ -102,11 +107,14 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         events.round_finished(settings.run_name, r, n, mean, std, identity)
         reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
         logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
-    final = publish_weights(current, settings.rounds, settings)
+    with clock.wait("publish"):
+        final = publish_weights(current, settings.rounds, settings)
     if settings.inference:
-        hot_load(final, settings)
+        with clock.wait("hot-load"):
+            hot_load(final, settings)
     svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
+    report_goodput(card, settings.run_name, clock, sorted(run_dir.glob("rounds/*/train-job.json")))
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
                       final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir),
                       tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in settings.trainer.report_to

@@ -19,6 +19,7 @@ from posttrain.pipeline.flows.promote import run_promotion
 from posttrain.pipeline.promotion_settings import PromoteSettings
 from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
+from posttrain.pipeline.tasks.goodput import FlowClock, report_goodput
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table, training_metrics
@@ -56,6 +57,7 @@ class NightlyReport(BaseModel):
 def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     """Stage the dataset, train on the cluster, and publish and hot-load every checkpoint."""
     logger = get_run_logger()
+    clock = FlowClock()  # the waits on publishing, hot-loads and the gate, for the goodput report
     card = settings.run_name  # artifact keys: one per run name, a version per night
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
@@ -75,14 +77,17 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
     # again finds it published (uploads nothing); it is not hot-loaded again.
     for ckpt in handled_before(job, cursor_path):
-        snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
+        with clock.wait("publish"):
+            snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
         rows.append(snapshot_row(ckpt.step, snapshot)
                     | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
     for ckpt in watch_job(job, settings.cluster, cursor_path, settings.watch_poll_s):
-        snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
+        with clock.wait("publish"):  # counts only where the job is not running (docs/goodput.md)
+            snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
         row = snapshot_row(ckpt.step, snapshot)
         if settings.inference:
-            loaded = hot_load(snapshot, settings)
+            with clock.wait("hot-load"):
+                loaded = hot_load(snapshot, settings)
             row["hot-load s"] = round(loaded.seconds, 2)
             row["served"] = loaded.identity
         rows.append(row)
@@ -92,13 +97,15 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     snapshots_table(card, rows, trainer)
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
                 result.global_step)
-    promotion = promote_last(settings, rows) if settings.promote_to and rows else None
+    with clock.wait("promotion"):
+        promotion = promote_last(settings, rows) if settings.promote_to and rows else None
 
     # Retention across runs (gc_keep_runs / gc_keep_days): the run's last task. This run is the newest, so kept.
     if settings.gc.enabled:
         served_by = [ref for ref in (settings.inference, settings.promote_to) if ref]  # staging and production
         collect_garbage(settings.store, settings.gc, [], inference=served_by, card=card)
 
+    report_goodput(card, settings.run_name, clock, [job])  # last: it measures the run up to here
     return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,
                          final_step=result.global_step, run_dir=str(run_dir),
                          promotion=promotion.model_dump() if promotion else None,

@@ -16,6 +16,9 @@ Events (``prefect.events.emit_event``), their primary resource, and what they ca
   the champion and the run.
 - ``posttrain.rollback.done``: the production deployment block (label ``posttrain.snapshot``: the
   version served again); the previous champion, the record's number and the reason.
+- ``posttrain.run.goodput``: the run ``posttrain.run.<run_name>``, at the end of a nightly or GRPO run;
+  every figure of ``posttrain.runs.goodput.Goodput`` (wall time, seconds per category, goodput,
+  attempts, restarts, work redone) and goodput_percent.
 - ``posttrain.job.submitted`` / ``completed`` / ``failed`` / ``cancelled``: the training job
   ``posttrain.job.<backend>.<job_id>``; job id, backend, run name (and the reason of a failure or
   cancellation); related: the run.
@@ -122,6 +125,14 @@ def round_finished(run_name: str, round: int, samples: int, reward_mean: float, 
     payload = {"run_name": run_name, "round": round, "samples": samples, "reward_mean": reward_mean,
                "reward_std": reward_std, "snapshot": identity}
     _emit("posttrain.round.finished", resource, [snapshot_resource(identity, "snapshot")], payload)
+
+
+def run_goodput(run_name: str, goodput) -> None:
+    """``goodput``: a ``posttrain.runs.goodput.Goodput``; the payload carries every figure of it."""
+    resource = run_resource(run_name)
+    resource.pop("prefect.resource.role")
+    payload = {"run_name": run_name, **goodput.model_dump(), "goodput_percent": round(100 * goodput.goodput, 2)}
+    _emit("posttrain.run.goodput", resource, [], payload)
 
 
 def job_event(state: str, job: JobRecord, reason: str | None = None,

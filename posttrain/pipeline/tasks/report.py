@@ -97,6 +97,17 @@ def snapshots_table(run_name: str, rows: list[dict], trainer=None) -> None:
             lambda: create_table_artifact(rows, key=key, description=description))
 
 
+def goodput_table(run_name: str, goodput) -> None:
+    """``goodput``: a ``posttrain.runs.goodput.Goodput``; one row per category, then the wall time."""
+    key = artifact_key(run_name, "goodput")
+    rows = goodput.rows() + [{"category": "wall", "seconds": round(goodput.wall_s, 2), "% of wall": 100.0}]
+    description = (f"Goodput {100 * goodput.goodput:.1f}%: the run's wall time by category (docs/goodput.md); "
+                   f"{goodput.attempts} trainer attempts, {goodput.restarts} restarts, "
+                   f"{goodput.lost_redone_s:.1f} s of work redone")
+    _upsert(key, "table", json.dumps(rows), description,
+            lambda: create_table_artifact(rows, key=key, description=description))
+
+
 def gc_table(run_name: str, rows: list[dict], description: str) -> None:
     """The snapshots the run's gc deleted (run, identity, kind, step, bytes), in deletion order."""
     key = artifact_key(run_name, "gc")
