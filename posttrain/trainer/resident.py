@@ -4,7 +4,7 @@ The job loads the policy and its AdamW state once (``model_name_or_path``, or th
 of ``output_dir`` when it restarts), then, for each round r of ``rounds``, waits for the flow to
 hand the round in ``rounds_dir`` (``posttrain.trainer.rounds``: ``<r:04d>/rollouts.jsonl``, then
 ``<r:04d>/ready.json``), takes the update a step-mode job of that round would take (the same code:
-``step.PolicyTrainer``; the same staleness rule, importance weights and metrics) and writes the same
+``policy.PolicyTrainer``; the same staleness rule, importance weights and metrics) and writes the same
 ``<output_dir>/checkpoint-<global_step>/`` atomically. Policy version ``v0 + r`` trains round r
 (``v0``: the initial policy's version, 0 for a base model), so with ``num_iterations`` 1,
 checkpoint N is policy version N, as in step mode.
@@ -35,14 +35,8 @@ from posttrain.trainer import distributed
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, CheckpointInfo, complete_checkpoints
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.rounds import RoundError, RoundReady, handed_rollouts, read_ready, round_dir
-from posttrain.trainer.step import (
-    OPTIMIZER_FILE,
-    PolicyState,
-    PolicyTrainer,
-    StepError,
-    policy_position,
-    select_update,
-)
+from posttrain.trainer.policy import PolicyTrainer, select_update
+from posttrain.trainer.step import OPTIMIZER_FILE, PolicyState, StepError, policy_position
 from posttrain.trainer.tracking import log_update
 
 log = logging.getLogger(__name__)
