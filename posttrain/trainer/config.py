@@ -139,7 +139,7 @@ class TrainerConfig(BaseModel):
         default_factory=lambda: ["tensorboard"],
         description="Trackers that receive the training metrics (TRL's report_to): tensorboard, wandb, mlflow, "
         "trackio, ... or none. TensorBoard event files go to logging_dir. grpo: TRL logs every logging_steps; "
-        "step: one point per update, at step = the policy version trained from (the round).",
+        "step, resident: one point per update, at step = the policy version trained from (the round).",
         json_schema_extra={"items": {"type": "string", "pattern": TRACKER_PATTERN}},
     )
     run_name: str | None = Field(
