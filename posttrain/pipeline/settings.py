@@ -18,7 +18,7 @@ from posttrain.pipeline.blocks import InferenceDeployment, KubernetesCluster, Lo
 from posttrain.pipeline.promotion_settings import PromotionSettings
 from posttrain.pipeline.refs import ABSOLUTE, BLOCK_REF, block_ref, whole_value
 from posttrain.rollouts.shard import RolloutSettings
-from posttrain.trainer.config import LoraSettings, TrainerConfig
+from posttrain.trainer.config import MODES, LoraSettings, TrainerConfig
 
 # At most 36 characters: each flow run appends "-<8 hex>" and job names must stay DNS labels. (No
 # bracket starts with a letter: Prefect's CLI prints the pattern through rich, which eats "[a-z...]".)
@@ -36,7 +36,10 @@ PROMOTION_BLOCK_PARAMETERS = {"promote_to": (InferenceDeployment,), "production"
 
 # Fields the flows fill in themselves (``lora`` from the run's lora group; ``logging_dir``: the run
 # folder's ``tensorboard``, which the artifacts name).
-_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts", "lora", "logging_dir"}
+_FILLED = {"mode", "model_name_or_path", "output_dir", "dataset_manifest", "rollouts", "rounds_dir", "rounds", "lora",
+           "logging_dir"}
+# A label of the modes a description is about: "step:", "step, resident:" (at its start or after a space).
+_MODE_LABEL = re.compile(r"(?:^|\s)((?:[a-z]+, )*[a-z]+):")
 # Trainer fields under another name among the flat flow parameters (``run_name`` names the run there).
 _RENAMED = {"run_name": "tracker_run_name"}
 _RENAMED_DESCRIPTIONS = {
@@ -47,12 +50,12 @@ _RENAMED_DESCRIPTIONS = {
 
 def trainer_settings(mode: str, *, exclude: frozenset[str] = frozenset(), required: tuple[str, ...] = ()):
     """The trainer settings a flow run of ``mode`` may set: TrainerConfig's fields (names, bounds,
-    defaults and meanings as in TRL), less those the flow fills in and those of the other mode."""
-    other = "step:" if mode == "grpo" else "grpo:"
+    defaults and meanings as in TRL), less those the flow fills in and those of the other modes (a
+    description that starts with a label of modes, "step, resident: ...", and names ``mode`` in none)."""
     fields = {}
     for name, field in TrainerConfig.model_fields.items():
         text = field.description or ""
-        if name in _FILLED or name in exclude or (text.startswith(other) and f" {mode}:" not in text):
+        if name in _FILLED or name in exclude or not _for_mode(text, mode):
             continue
         info, annotation = copy.copy(field), field.annotation
         if name in required:  # no default, not null, not empty
@@ -65,6 +68,13 @@ def trainer_settings(mode: str, *, exclude: frozenset[str] = frozenset(), requir
             info.description = _RENAMED_DESCRIPTIONS[name]
         fields[_RENAMED.get(name, name)] = (annotation, info)
     return create_model(f"{mode.capitalize()}TrainerSettings", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def _for_mode(description: str, mode: str) -> bool:
+    labels = [m for m in _MODE_LABEL.finditer(description) if set(m.group(1).split(", ")) <= set(MODES)]
+    if not labels or labels[0].start() != 0:
+        return True  # about every mode
+    return any(mode in m.group(1).split(", ") for m in labels)
 
 
 #: The nightly run's trainer (TRL's GRPOTrainer); a run must say how long and what it rewards.

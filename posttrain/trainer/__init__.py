@@ -2,7 +2,9 @@
 
 ``run_training(config)`` is idempotent across restarts: a GRPO run (``trainer/grpo.py``, TRL)
 resumes from the last complete checkpoint (``trainer/checkpoints.py``); a step run
-(``trainer/step.py``) trains one GRPO step on rollouts sampled elsewhere. Importing this package
+(``trainer/step.py``) trains one GRPO step on rollouts sampled elsewhere; a resident run
+(``trainer/resident.py``) trains every round of a GRPO run in one job, rounds handed on shared
+storage (``trainer/rounds.py``). Importing this package
 loads no torch; a run imports it when it starts.
 """
 

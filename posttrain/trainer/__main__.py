@@ -1,7 +1,8 @@
 """``python -m posttrain.trainer CONFIG.yaml``: run training, print the TrainingResult as JSON.
 
 Exit status: 0 when the run reached its end, 75 when SIGTERM or SIGUSR2 stopped it after a
-checkpoint (run it again to resume), 2 for a bad config or input. ``--result-file PATH`` appends
+checkpoint (run it again to resume), 2 for a bad config or input (or, resident mode, a round that
+never came). ``--result-file PATH`` appends
 each attempt's TrainingResult to PATH as one JSON line (rank 0 only), so whoever submitted the
 run can tell a resumed attempt from a fresh one; rank 0 also appends the attempt's timeline
 (start, model loaded, steps, saves, end) beside it (``posttrain.trainer.timeline``).
@@ -45,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR2):  # Kubernetes eviction, Slurm --signal
         signal.signal(sig, lambda signum, frame: stop.set())
     from posttrain.trainer import distributed
+    from posttrain.trainer.rounds import RoundError
     from posttrain.trainer.step import StepError  # imports torch, which the run needs anyway
 
     try:
         result = run_training(config, stop_event=stop)
-    except (ConfigError, StagingError, RolloutError, StepError) as e:
+    except (ConfigError, StagingError, RolloutError, StepError, RoundError) as e:
         print(f"posttrain.trainer: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -40,25 +40,41 @@ class LoraSettings(BaseModel):
                           target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
+#: The trainer's modes. A field's description starts with the modes it belongs to when it is not for all
+#: of them ("step, resident: ..."); ``posttrain.pipeline.settings.trainer_settings`` reads these labels.
+MODES = ("grpo", "step", "resident")
+
+
 class TrainerConfig(BaseModel):
-    """One training run on a node: ``mode: grpo`` (TRL generates) or ``mode: step`` (rollouts from elsewhere)."""
+    """One training run on a node: ``mode: grpo`` (TRL generates), ``mode: step`` (one update on rollouts
+    from elsewhere) or ``mode: resident`` (a GRPO run's every update, one round after the other)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["grpo", "step"] = Field(
+    mode: Literal["grpo", "step", "resident"] = Field(
         "grpo",
         description="grpo: a TRL GRPOTrainer run that generates its own completions; "
-        "step: one GRPO update on rollouts sampled elsewhere.",
+        "step: one GRPO update on rollouts sampled elsewhere; "
+        "resident: one job for all rounds of a GRPO run, each round's rollouts handed in rounds_dir.",
     )
     model_name_or_path: str = Field(
         description="Model to train: a Hugging Face folder (absolute path on shared storage) or hub id. "
-        "In step mode, the folder of the current policy checkpoint."
+        "In step mode, the folder of the current policy checkpoint; in resident mode, the initial policy's."
     )
     output_dir: Path = Field(description="Absolute folder that receives checkpoint-<step>/ folders.")
     dataset_manifest: Path | None = Field(
         None, description="grpo: absolute path of a staged dataset's manifest.json (posttrain stage)."
     )
     rollouts: Path | None = Field(None, description="step: absolute path of the rollouts JSONL file.")
+    rounds_dir: Path | None = Field(
+        None, description="resident: absolute folder where the flow hands rounds: <rounds_dir>/<round:04d>/"
+        "rollouts.jsonl, then ready.json (posttrain.trainer.rounds).",
+    )
+    rounds: int | None = Field(None, ge=1, description="resident: how many rounds (updates) the run has.")
+    round_timeout_s: float = Field(
+        3600.0, gt=0, description="resident: seconds to wait for a round's ready.json before the job ends "
+        "with an error naming the round and its folder.",
+    )
     reward_funcs: list[str] = Field(
         default_factory=list,
         description="grpo: reward functions as 'module:function' import paths, "
@@ -71,13 +87,15 @@ class TrainerConfig(BaseModel):
 
     learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        "linear", description="grpo: learning-rate schedule over max_steps. step mode uses a constant rate."
+        "linear",
+        description="grpo: learning-rate schedule over max_steps. step and resident modes use a constant rate.",
     )
     warmup_steps: int = Field(0, ge=0, description="grpo: steps of linear warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     per_device_train_batch_size: int = Field(
-        8, ge=1, description="grpo: completions (not prompts) per device per step. step: rollouts per micro-batch."
+        8, ge=1,
+        description="grpo: completions (not prompts) per device per step. step, resident: rollouts per micro-batch.",
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="grpo: micro-batches per optimizer step.")
     num_generations: int = Field(8, ge=2, description="grpo: completions sampled per prompt (the group size G).")
@@ -90,11 +108,13 @@ class TrainerConfig(BaseModel):
         None, ge=1, description="grpo: keep at most this many checkpoints, deleting the oldest."
     )
     seed: int = Field(0, description="Random seed.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; step mode scales logits by it too.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; step and resident modes scale logits by it too."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling threshold.")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the reference model; 0 loads no reference.")
     ref_model_name_or_path: str | None = Field(
-        None, description="step: reference model for the KL term, required when beta > 0."
+        None, description="step, resident: reference model for the KL term, required when beta > 0."
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the policy ratio.")
     epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None uses epsilon.")
@@ -108,17 +128,18 @@ class TrainerConfig(BaseModel):
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer passes over each batch (PPO epochs, mu).")
     importance_sampling_cap: float = Field(
-        2.0, ge=1, description="step: cap on the truncated importance weight pi_old / pi_behaviour per token."
+        2.0, ge=1, description="step, resident: cap on the truncated importance weight pi_old / pi_behaviour per token."
     )
     max_staleness: int = Field(
-        1, ge=0, description="step: drop rollouts sampled more than this many policy versions ago."
+        1, ge=0, description="step, resident: drop rollouts sampled more than this many policy versions older than the "
+        "policy being trained."
     )
     logging_steps: int = Field(1, ge=1, description="grpo: log metrics every this many steps.")
     report_to: list[str] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Trackers that receive the training metrics (TRL's report_to): tensorboard, wandb, mlflow, "
         "trackio, ... or none. TensorBoard event files go to logging_dir. grpo: TRL logs every logging_steps; "
-        "step: one point per update, at step = the policy version trained from (the round).",
+        "step, resident: one point per update, at step = the policy version trained from (the round).",
         json_schema_extra={"items": {"type": "string", "pattern": TRACKER_PATTERN}},
     )
     run_name: str | None = Field(
@@ -136,7 +157,7 @@ class TrainerConfig(BaseModel):
         "plus a reference to its base. None trains all weights.",
     )
 
-    @field_validator("output_dir", "dataset_manifest", "rollouts", "logging_dir")
+    @field_validator("output_dir", "dataset_manifest", "rollouts", "rounds_dir", "logging_dir")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
@@ -187,10 +208,16 @@ class TrainerConfig(BaseModel):
                     f"multiple of num_generations ({self.num_generations})"
                 )
         else:
-            if self.rollouts is None:
+            if self.mode == "step" and self.rollouts is None:
                 problems.append("rollouts: required when mode is step")
+            if self.mode == "resident":
+                for name in ("rounds_dir", "rounds"):
+                    if getattr(self, name) is None:
+                        problems.append(f"{name}: required when mode is resident")
+                if self.rollouts is not None:
+                    problems.append("rollouts: not used when mode is resident (each round's are in rounds_dir)")
             if self.beta > 0 and self.ref_model_name_or_path is None:
-                problems.append("ref_model_name_or_path: required when mode is step and beta > 0")
+                problems.append(f"ref_model_name_or_path: required when mode is {self.mode} and beta > 0")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             problems.append(
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs"
@@ -205,18 +232,24 @@ class TrainingResult(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["grpo", "step"] = Field(description="The config's mode.")
+    mode: Literal["grpo", "step", "resident"] = Field(description="The config's mode.")
     global_step: int = Field(ge=0, description="Optimizer steps taken in total, across restarts.")
     policy_version: int | None = Field(
-        None, description="step: policy version of the written checkpoint (input version + 1)."
+        None, description="step, resident: policy version of the last checkpoint written (input version + 1 "
+        "per update)."
     )
     checkpoint: Path | None = Field(None, description="The last complete checkpoint in output_dir.")
     resumed_from: Path | None = Field(
         None, description="Checkpoint this call resumed from; None when it started fresh."
     )
-    completed: bool = Field(description="True when the run reached its end (max_steps, or the step is saved).")
+    completed: bool = Field(
+        description="True when the run reached its end (max_steps; the step is saved; the last round is saved)."
+    )
     stopped_early: bool = Field(False, description="True when a stop request (SIGTERM, requeue) ended it early.")
     already_done: bool = Field(False, description="True when an earlier attempt had finished; nothing was trained.")
+    rounds_done: int | None = Field(
+        None, description="resident: rounds whose checkpoint is written, this attempt's and earlier ones'."
+    )
     metrics: dict[str, float] = Field(default_factory=dict, description="Final training metrics.")
 
 

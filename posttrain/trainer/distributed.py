@@ -2,8 +2,8 @@
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): the same settings run
 on CPU (gloo) and GPU (nccl). Rank 0 alone writes checkpoints and results; the others only read.
 
-``mode: grpo`` leaves the process group to accelerate (inside TRL's trainer); ``mode: step``
-sets it up here (:func:`init`) and sums gradients itself (:func:`all_reduce_sum`).
+``mode: grpo`` leaves the process group to accelerate (inside TRL's trainer); ``mode: step`` and
+``mode: resident`` set it up here (:func:`init`) and sums gradients itself (:func:`all_reduce_sum`).
 """
 
 from __future__ import annotations
@@ -104,6 +104,18 @@ def any_rank(flag: bool, device) -> bool:
     t = torch.tensor(float(flag), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def any_rank_flags(flags: list[bool], device) -> list[bool]:
+    """Each flag OR-ed over the ranks, in one collective: all ranks take the same branch."""
+    import torch
+    import torch.distributed as dist
+
+    if not active():
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
 
 
 def barrier() -> None:

@@ -13,8 +13,9 @@ def run_training(config: TrainerConfig, *, stop_event: threading.Event | None = 
 
     Idempotent across restarts: a grpo run resumes from the last complete checkpoint in
     ``output_dir`` (and does nothing once max_steps is reached); a step run whose checkpoint
-    already exists returns it. Setting ``stop_event`` asks the run to save at the end of the
-    current step and return with ``stopped_early=True``.
+    already exists returns it; a resident run resumes after its newest checkpoint's round. Setting
+    ``stop_event`` asks the run to save at the end of the current step (grpo) or to stop without a
+    partial checkpoint (step, resident) and return with ``stopped_early=True``.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stop_event = stop_event or threading.Event()
@@ -22,6 +23,10 @@ def run_training(config: TrainerConfig, *, stop_event: threading.Event | None = 
         from posttrain.trainer.grpo import run_grpo
 
         return run_grpo(config, stop_event)
+    if config.mode == "resident":
+        from posttrain.trainer.resident import run_resident
+
+        return run_resident(config, stop_event)
     from posttrain.trainer.step import run_step
 
     return run_step(config, stop_event)

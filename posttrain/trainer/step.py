@@ -10,6 +10,10 @@ one version stale, or numerically different). The result is written atomically a
 The update's metrics also go to the ``report_to`` trackers (``posttrain.trainer.tracking``): one
 point per update at step = the policy version trained from, so the rounds of a run draw one curve.
 
+A step is ``trainer/policy.py``'s ``PolicyTrainer``: ``load`` + one ``update`` + ``save``, the code
+``mode: resident`` shares (load once, then an update and a save per round), so both write the same
+checkpoints from the same rollouts.
+
 Launched as several processes (torchrun, one node or many), each rank takes every world_size-th
 micro-batch and the gradients are summed over ranks before clipping: the same update as one
 process (the loss is normalized by the whole batch's tokens or sequences). Rank 0 alone writes.
@@ -22,7 +26,7 @@ import logging
 import shutil
 import threading
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -31,8 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.lora.adapter import BaseRef, LoraError, base_fingerprint, is_adapter_dir, read_adapter, write_base_ref
 from posttrain.rollouts.format import Rollout, RolloutError, load_rollouts
-from posttrain.rollouts.scoring import group_advantages
-from posttrain.trainer import distributed, timeline
+from posttrain.trainer import distributed
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, IncompleteCheckpoint, inspect_checkpoint
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.grpo_math import (
@@ -131,8 +134,6 @@ def collate(rollouts: list[Rollout], advantages: list[float], pad_id: int) -> Mi
 
 
 def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResult:
-    from transformers import AutoModelForCausalLM
-
     model_dir = Path(config.model_name_or_path)
     if not model_dir.is_dir():
         raise StepError(f"model_name_or_path {str(model_dir)!r}: step mode needs the folder of the current policy")
@@ -145,64 +146,19 @@ def run_step(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     if finished is not None:
         return finished
 
-    fresh, dropped = select_fresh(rollouts, version, config.max_staleness)
-    if not fresh:
-        raise RolloutError(
-            f"{config.rollouts}: all {len(rollouts)} rollouts are more than max_staleness="
-            f"{config.max_staleness} versions older than policy version {version}"
-        )
-    advantages = group_advantages([r.reward for r in fresh], [r.group_id for r in fresh], config.scale_rewards)
+    from posttrain.trainer.policy import PolicyTrainer, select_update  # built on this module's helpers
 
-    device = distributed.init(config.use_cpu)
-    dtype = torch.bfloat16 if config.bf16 else torch.float32
-    torch.manual_seed(config.seed)
-    model, base_ref = _load_policy(model_dir, config, dtype)
-    model = model.to(device)
-    model.eval()  # no dropout: the ratio must compare the same function before and after the update
-    _check_token_ids(fresh, model.get_input_embeddings().num_embeddings, config.rollouts)
-    ref_model = None
-    if config.beta > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(config.ref_model_name_or_path, dtype=dtype).to(device)
-        ref_model.eval()
-    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapter's
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-    restored = _load_optimizer_state(optimizer, model_dir, config)
-
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    size = config.per_device_train_batch_size
-    batches = [collate(fresh[i : i + size], advantages[i : i + size], pad_id) for i in range(0, len(fresh), size)]
-    ranks = distributed.ranks()
-    mine = batches[ranks.rank :: ranks.world_size]  # this rank's share; the totals stay the whole batch's
-    tl = timeline.current()  # rank 0's records; a no-op elsewhere
-    tl.mark("loaded", step=start_step)
-    with tl.span("step", step=new_step):
-        metrics = _train(model, ref_model, optimizer, batches, mine, config, stop_event, device)
+    selection = select_update(rollouts, rollouts_sha, config.rollouts, version, config)
+    trainer = PolicyTrainer(config, stop_event)
+    trainer.load(model_dir)
+    metrics = trainer.update(selection)
     if metrics is None:
         return TrainingResult(mode="step", global_step=start_step, completed=False, stopped_early=True, checkpoint=None)
-    metrics.update(
-        mean_reward=sum(r.reward for r in fresh) / len(fresh),
-        rollouts_used=float(len(fresh)),
-        rollouts_dropped_stale=float(dropped),
-        staleness_mean=sum(version - r.policy_version for r in fresh) / len(fresh),
-        staleness_max=float(max(version - r.policy_version for r in fresh)),
-        optimizer_state_restored=float(restored),
-    )
-    state = PolicyState(
-        global_step=new_step,
-        policy_version=version + 1,
-        source_checkpoint=str(model_dir),
-        rollouts=str(config.rollouts),
-        rollouts_sha256=rollouts_sha,
-        rollouts_used=len(fresh),
-        rollouts_dropped_stale=dropped,
-        metrics=metrics,
-        created=datetime.now(UTC),
-    )
-    if ranks.is_main:
-        with tl.span("save", step=new_step):
-            _save_atomically(model, optimizer, model_dir, target, state, base_ref)
+    state = trainer.state(selection, metrics)
+    trainer.save(target, state)
+    if distributed.ranks().is_main:
         # after the save: a retry of a step that is written finds it and logs no second point
-        log_update(config, version, metrics, model=model)
+        log_update(config, version, metrics, model=trainer.model)
     distributed.barrier()  # every rank returns once the checkpoint exists
     return TrainingResult(
         mode="step",

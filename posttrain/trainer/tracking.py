@@ -16,6 +16,7 @@ writes adds its own ``events.out.tfevents.*`` file there and TensorBoard shows t
   makes one run per round unless ``WANDB_RUN_ID`` and ``WANDB_RESUME=allow`` name one). A tracker
   that fails is logged as a warning and never fails the step: the metrics are in the checkpoint's
   ``trainer_state.json`` too.
+- ``mode: resident``: the same one point per update (round), from the one process of the run.
 """
 
 from __future__ import annotations

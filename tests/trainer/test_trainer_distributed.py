@@ -121,3 +121,36 @@ def test_backend_and_ranks_come_from_the_launcher(monkeypatch) -> None:
     text = distributed.describe(r, "nccl")
     assert text.startswith("distributed: rank 3 of world size 4 (node rank 1, local rank 1) on ")
     assert "(Slurm node n2), backend nccl, rendezvous 127.0.0.1:29611" in text
+
+
+@pytest.mark.slow
+def test_resident_on_two_ranks_is_the_one_process_run(tiny_model_dir, tmp_path: Path) -> None:
+    """Both ranks wait for each round's marker and train their share; rank 0 alone writes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from posttrain.trainer.rounds import hand_round, round_dir
+
+    rollouts = sample_rollouts(tiny_model_dir, toy_prompt_rows(4), group_size=4, max_new_tokens=8,
+                               reward_func=length_reward)  # fmt: skip
+    rounds_dir = tmp_path / "rounds"
+    for r in range(2):
+        write_rollouts(round_dir(rounds_dir, r) / "rollouts.jsonl", rollouts)
+        hand_round(rounds_dir, r, 0)
+    weights = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"resident-{nproc}"
+        config = dict(mode="resident", model_name_or_path=str(tiny_model_dir), output_dir=str(out),
+                      rounds_dir=str(rounds_dir), rounds=2, round_timeout_s=60, learning_rate=1e-3,
+                      per_device_train_batch_size=6, max_staleness=2, use_cpu=True)  # fmt: skip
+        log, writes = _torchrun(tmp_path, config, nproc, out)
+        if nproc == 2:
+            assert "distributed: rank 1 of world size 2" in log
+            assert writes.get(1, []) == []
+        assert [c.step for c in complete_checkpoints(out)] == [1, 2]
+        weights[nproc] = load_file(str(out / "checkpoint-2" / "model.safetensors"))
+        check_probe_of(out / "checkpoint-2")
+        results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        assert [(r["mode"], r["rounds_done"], r["completed"]) for r in results] == [("resident", 2, True)]
+    for name, tensor in weights[1].items():
+        torch.testing.assert_close(weights[2][name], tensor, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,102 @@
+"""The round protocol between a GRPO flow and a resident trainer (``mode: resident``), on shared storage.
+
+For round ``r`` (0, 1, ... ``rounds`` - 1), in ``<rounds_dir>/<r:04d>/`` (the GRPO flow's round folder):
+
+1. The flow writes ``rollouts.jsonl`` (the round's rollouts, ``posttrain.rollouts.format``) atomically:
+   whole or absent, never torn (``merge_rollouts``, ``write_rollouts``).
+2. Then it writes ``ready.json`` atomically (:func:`hand_round`): a :class:`RoundReady` with the
+   rollouts file's name and SHA-256 and the policy version(s) that sampled them. The marker is the
+   hand-over: the trainer reads nothing of the round before it exists, and refuses rollouts whose
+   SHA-256 is not the marker's (a file replaced after the hand-over).
+3. The trainer, holding policy version ``v0 + r`` (``v0``: the initial policy's, 0 for a base model),
+   trains on the rollouts (dropping those more than ``max_staleness`` versions older than ``v0 + r``,
+   as ``mode: step`` does) and writes ``<output_dir>/checkpoint-<global_step>/`` atomically, the same
+   folder a step-mode job of that round writes: with ``num_iterations`` 1, checkpoint N is policy
+   version N. The flow follows these with the existing checkpoint watch.
+
+A round is trained once: a restarted trainer resumes from the newest complete checkpoint of
+``output_dir`` and waits for the round after it. A handed round is never changed: the flow hands
+round ``r`` again only with the same rollouts (same SHA-256). No torch here: the flow imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.fsutil import atomic_write
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+READY_FILE = "ready.json"
+
+
+class RoundError(RuntimeError):
+    """A round's hand-over is missing, late or inconsistent; the message names the round and the path."""
+
+
+class RoundReady(BaseModel):
+    """``ready.json``: the flow's word that a round's rollouts are complete."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    round: int = Field(ge=0, description="The round, as in the folder's name.")
+    rollouts: str = Field(ROLLOUTS_FILE, description="The rollouts file, relative to the round's folder.")
+    rollouts_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the rollouts file.")
+    policy_versions: list[int] = Field(
+        min_length=1, description="Policy versions that sampled the rollouts, ascending (one for synchronous rounds)."
+    )
+    created: datetime = Field(description="When the flow handed the round (UTC).")
+
+
+def round_dir(rounds_dir: str | Path, round: int) -> Path:
+    return Path(rounds_dir) / f"{round:04d}"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hand_round(rounds_dir: str | Path, round: int, policy_versions: list[int] | int) -> RoundReady:
+    """The flow's side: mark ``<rounds_dir>/<round:04d>/rollouts.jsonl`` (already written, atomically)
+    as the round's rollouts. Handing a round again with the same file is a no-op (a retried task);
+    with another file it is a RoundError (the trainer may have trained on the first)."""
+    folder = round_dir(rounds_dir, round)
+    sha = file_sha256(folder / ROLLOUTS_FILE)
+    versions = sorted({policy_versions} if isinstance(policy_versions, int) else set(policy_versions))
+    earlier = read_ready(rounds_dir, round)
+    if earlier is not None:
+        if earlier.rollouts_sha256 != sha:
+            raise RoundError(f"round {round}: {folder / READY_FILE} already hands rollouts "
+                             f"{earlier.rollouts_sha256[:12]}, not {sha[:12]}")
+        return earlier
+    ready = RoundReady(round=round, rollouts_sha256=sha, policy_versions=versions, created=datetime.now(UTC))
+    atomic_write(folder / READY_FILE, ready.model_dump_json(indent=2) + "\n")
+    return ready
+
+
+def read_ready(rounds_dir: str | Path, round: int) -> RoundReady | None:
+    """The round's marker, or None while the flow has not handed it."""
+    path = round_dir(rounds_dir, round) / READY_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        ready = RoundReady.model_validate_json(data)
+    except ValueError as e:
+        raise RoundError(f"round {round}: {path} is not a round marker ({e})") from None
+    if ready.round != round:
+        raise RoundError(f"round {round}: {path} hands round {ready.round}")
+    return ready
+
+
+def handed_rollouts(rounds_dir: str | Path, ready: RoundReady) -> Path:
+    """The rollouts file a marker hands (its SHA-256 is checked where it is read)."""
+    return round_dir(rounds_dir, ready.round) / ready.rollouts
