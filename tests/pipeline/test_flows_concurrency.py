@@ -61,6 +61,15 @@ def start_with_overrides(setup, worker) -> tuple[str, object]:
     proc = prefect_cli("deployment", "run", NIGHTLY, *params)
     first = flow_run_id_in(proc.stdout)
     assert proc.returncode == 0 and first, proc.stdout + proc.stderr
+    try:
+        return first, _check_overrides(setup, worker, first)
+    except BaseException:
+        # a run that outlasts the test holds the nightly deployment's one slot: every later nightly would wait
+        prefect_cli("flow-run", "cancel", first)
+        raise
+
+
+def _check_overrides(setup, worker, first: str):
     deployment = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"][0]
     assert set(read_flow_run(first).parameters) == set(deployment["parameters"]) | set(OVERRIDES)
     job = wait_submitted(setup, worker, "nightly", first)
@@ -68,12 +77,14 @@ def start_with_overrides(setup, worker) -> tuple[str, object]:
     expected = TrainerConfig(
         mode="grpo", model_name_or_path=str(setup.base_model), output_dir=run_folder(setup, "nightly", first) / "output",
         dataset_manifest=received["dataset_manifest"],
+        # the run's training curves: its TensorBoard folder, and the run's own name for the trackers
+        logging_dir=run_folder(setup, "nightly", first) / "tensorboard", run_name=run_folder(setup, "nightly", first).name,
         reward_funcs=["posttrain.rewards:correctness_reward"],  # prefect.yaml
         **OVERRIDES,
     )
     assert TrainerConfig.model_validate(received) == expected  # and TRL's defaults for the rest
     assert deployment["parameters"]["max_steps"] != OVERRIDES["max_steps"]
-    return first, job
+    return job
 
 
 @pytest.mark.timeout(480)
@@ -82,6 +93,7 @@ def test_a_nightly_started_during_another_waits_for_the_slot(process_worker, tin
     wait_for_trainer(job, process_worker)
 
     watched = tmp_path / "watch.out"
+    second = None
     with open(watched, "w") as out:  # the second run, started and watched as a user would
         watch = subprocess.Popen(
             [sys.executable, "-m", "prefect",
@@ -121,6 +133,9 @@ def test_a_nightly_started_during_another_waits_for_the_slot(process_worker, tin
         if watch.poll() is None:
             watch.kill()
             watch.wait()
+        for run_id in (first, second):  # a failed check must not leave a run holding the deployment's slot
+            if run_id and not read_flow_run(run_id).state.is_final():
+                prefect_cli("flow-run", "cancel", run_id)
     printed = watched.read_text()
     print(printed)
     assert rc == 0, f"{printed}\n{process_worker.tail()}"
