@@ -70,7 +70,7 @@ def test_grpo_lora_rounds_train_one_adapter_and_serve_its_merge(tiny_setup):
     from posttrain.pipeline.flows.grpo import grpo
 
     params = tiny_setup.grpo_settings("flows-grpo-lora", **LORA, rounds=2, learning_rate=5e-2,
-                                      reward_funcs=["posttrain.rewards:length_reward"])
+                                      reward_funcs=["posttrain.rewards:length_reward"], trainer_job="per_round")
     state = grpo(**params, return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
