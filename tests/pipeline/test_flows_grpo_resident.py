@@ -5,6 +5,7 @@ and goes on from the rounds it trained; cancelling the run cancels the job."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from tests.pipeline.runs import (
     prefect_cli,
     run_folder,
     start_deployment,
+    subflow_runs,
     task_runs,
     wait_final,
     wait_not_final,
@@ -57,3 +59,80 @@ def test_a_resident_grpo_run_is_one_training_job(tiny_setup):
     assert len(lines) == 1 and lines[0]["completed"] and lines[0]["rounds_done"] == 3, lines
     assert lines[0]["mode"] == "resident"
     assert tiny_setup.served_identity() == report.final_snapshot
+
+
+def mtimes(paths) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in paths}
+
+
+@pytest.mark.timeout(600)
+def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(process_worker, tiny_setup, tmp_path):
+    # Round 2's reward fails (not transient) while the marker file exists: the first attempt fails
+    # there, after rounds 0 and 1 trained; the marker is removed and the run retried as the UI does.
+    run = "flows-grpo-resident-retry"
+    marker = tmp_path / "fail-round-2"
+    marker.write_text("fail\n")
+    settings = tiny_setup.grpo_settings(run, rounds=3, reward_funcs=["tests.pipeline.flaky:round_failing_reward"])
+    proc, flow_run_id = start_deployment(GRPO, settings, env={FAIL_ROUND_MARKER_ENV: f"2:{marker}"})
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    run_dir = run_folder(tiny_setup, run, flow_run_id)
+    first = wait_final(flow_run_id, timeout=300)
+    assert first.state.is_failed(), f"{first.state_name}: {first.state.message}\n{process_worker.tail()}"
+    assert "injected: round 2" in (first.state.message or ""), first.state.message
+    job = JobRecord.model_validate_json((run_dir / "training-job.json").read_text())
+    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2"]
+    assert not (run_dir / "rounds" / "0002" / "rollouts.jsonl").exists()
+    kept = [run_dir / "rounds" / f"{r:04d}" / name for r in (0, 1) for name in ("rollouts.jsonl", "ready.json")]
+    kept += [run_dir / "policy" / c / "trainer_state.json" for c in ("checkpoint-1", "checkpoint-2")]
+    before = mtimes(kept)
+
+    marker.unlink()
+    retry = prefect_cli("flow-run", "retry", flow_run_id)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    wait_not_final(flow_run_id)
+    second = wait_final(flow_run_id, timeout=300)
+    assert second.state.is_completed(), f"{second.state_name}: {second.state.message}\n{process_worker.tail()}"
+    assert second.run_count == 2
+
+    # One job: found by its marker, not submitted again; it trained round 2 and completed.
+    assert JobRecord.model_validate_json((run_dir / "training-job.json").read_text()) == job
+    assert len(job_folders(tiny_setup, job.name)) == 1, job_folders(tiny_setup, job.name)
+    (results,) = sorted((run_dir / "policy" / ".posttrain").glob("*.results.jsonl"))
+    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0]["completed"] and lines[0]["rounds_done"] == 3, lines
+    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    # Rounds 0 and 1 were not sampled or trained again: their files untouched, their shards ran once.
+    assert mtimes(kept) == before
+    shards = [r.name for r in subflow_runs(flow_run_id, "rollout-shard")]
+    assert shards.count("round-0-shard-0") == shards.count("round-1-shard-0") == 1, shards
+    assert shards.count("round-2-shard-0") >= 2, shards  # failed in the first attempt, then sampled again
+    logs = flow_run_logs(flow_run_id)
+    assert any(f"training job {job.job_id} was submitted before" in m for m in logs), logs
+    assert any("round 1: trained by an earlier attempt" in m for m in logs), logs
+    assert [t.name for t in task_runs(flow_run_id)].count("publish-step-3") == 1
+    assert tiny_setup.served_identity().startswith("step-00000003-")
+
+
+@pytest.mark.timeout(420)
+def test_cancelling_a_resident_run_mid_run_stops_its_trainer(process_worker, tiny_setup):
+    # Many rounds whose sampling lasts seconds each: cancelled once round 0 trained, the job waits
+    # for round 1's rollouts (or trains it).
+    from tests.pipeline.flaky import SLOW_SECONDS_ENV
+    from tests.pipeline.runs import wait_submitted
+    from tests.pipeline.test_flows_cancel import cancel_and_check_stopped, wait_for_trainer
+
+    run = "flows-cancel-resident"
+    settings = tiny_setup.grpo_settings(run, rounds=50, prompts_per_round=1,
+                                        reward_funcs=["tests.pipeline.flaky:slow_reward"])
+    proc, flow_run_id = start_deployment(GRPO, settings, env={SLOW_SECONDS_ENV: "2"})
+    assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
+    job = wait_submitted(tiny_setup, process_worker, run, flow_run_id, "training-job.json")
+    wait_for_trainer(job, process_worker)
+    run_dir = run_folder(tiny_setup, run, flow_run_id)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "policy" / "checkpoint-1" / "trainer_state.json").exists():
+        assert time.monotonic() < deadline, f"round 0 did not train in 180 s\n{process_worker.tail()}"
+        time.sleep(0.5)
+    stopped_s = cancel_and_check_stopped(flow_run_id, job)
+    assert "checkpoint-50" not in checkpoints(run_dir)
+    print(f"resident trainer gone {stopped_s:.1f} s after the cancel request")
