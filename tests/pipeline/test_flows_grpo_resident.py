@@ -59,6 +59,17 @@ def test_a_resident_grpo_run_is_one_training_job(tiny_setup):
     assert len(lines) == 1 and lines[0]["completed"] and lines[0]["rounds_done"] == 3, lines
     assert lines[0]["mode"] == "resident"
     assert tiny_setup.served_identity() == report.final_snapshot
+    # Goodput: the trainer's waits for rounds are not training; the flow's sampling shows there.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    from tests.pipeline.run_events import assert_goodput_adds_up
+
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+    seconds = assert_goodput_adds_up(flow_run_id, next(a for a in artifacts if a.key == "flows-grpo-resident-goodput"))
+    assert min(seconds["sampling"], seconds["training"], seconds["startup"]) > 0, seconds
 
 
 def mtimes(paths) -> dict[str, int]:
