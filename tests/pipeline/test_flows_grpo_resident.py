@@ -147,3 +147,30 @@ def test_cancelling_a_resident_run_mid_run_stops_its_trainer(process_worker, tin
     stopped_s = cancel_and_check_stopped(flow_run_id, job)
     assert "checkpoint-50" not in checkpoints(run_dir)
     print(f"resident trainer gone {stopped_s:.1f} s after the cancel request")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup):
+    import subprocess
+
+    from posttrain.cluster import SlurmConfig
+    from posttrain.pipeline.blocks import SlurmCluster
+    from posttrain.pipeline.flows.grpo import grpo
+    from tests.runs.test_training_slurm_2nodes import two_node_cluster
+
+    block = "flows-grpo-resident-slurm"
+    SlurmCluster(settings=SlurmConfig(**{**two_node_cluster(tiny_setup.root), "nodes": 1})).save(block, overwrite=True)
+    params = tiny_setup.grpo_settings("flows-resident-slurm", rounds=3, cluster=f"posttrain-slurm-cluster/{block}")
+    state = grpo(**params, return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    run_dir = tiny_setup.shared_dir / "runs" / report.run_name
+    job = JobRecord.model_validate_json((run_dir / "training-job.json").read_text())
+    assert job.backend == "slurm"
+    sacct = subprocess.run(["sacct", "-X", "-n", "-P", "--name", job.name, "-o", "JobID,State"],
+                           capture_output=True, text=True, timeout=20).stdout.split()
+    assert sacct == [f"{job.job_id}|COMPLETED"], sacct  # one sbatch job for the three rounds
+    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert [row["round"] for row in report.rounds] == [0, 1, 2]
+    assert tiny_setup.served_identity() == report.final_snapshot
