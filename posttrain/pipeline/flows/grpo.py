@@ -40,8 +40,8 @@ from posttrain.pipeline.tasks.report import (
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import JOB_MARKER, ResidentJob, cancel_submitted, train_step
-from posttrain.rollouts.rounds import pooled_rewards, shard_specs
 from posttrain.rollouts.format import load_rollouts
+from posttrain.rollouts.rounds import pooled_rewards, shard_specs
 from posttrain.rollouts.shard import merge_rollouts
 
 
@@ -113,7 +113,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
             resident.hand(r, r)
             current = str(resident.wait(r).path)
             trainer = resident.trainer
-            logger.info("round %d: policy version %d at %s", r, r + 1, current)
+            logger.info("round %d: trained by the resident job at %s", r, current)
         else:
             trainer = step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts)
             if r == 0:
