@@ -149,6 +149,21 @@ def test_cancelling_a_resident_run_mid_run_stops_its_trainer(process_worker, tin
     print(f"resident trainer gone {stopped_s:.1f} s after the cancel request")
 
 
+@pytest.mark.timeout(300)
+def test_a_resident_job_that_ends_before_a_rounds_checkpoint_fails_the_run_with_its_reason(tiny_setup, monkeypatch):
+    # The trainer waits 1 s for round 0's rollouts, whose sampling takes longer: it ends (RoundError)
+    # before the round is handed, and the flow run fails with that reason instead of waiting forever.
+    from posttrain.pipeline.flows.grpo import grpo
+    from tests.pipeline.flaky import SLOW_SECONDS_ENV
+
+    monkeypatch.setenv(SLOW_SECONDS_ENV, "20")
+    params = tiny_setup.grpo_settings("flows-resident-late", rounds=2, prompts_per_round=1, round_timeout_s=1,
+                                      reward_funcs=["tests.pipeline.flaky:slow_reward"])
+    state = grpo(**params, return_state=True)
+    assert state.is_failed(), state.message
+    assert "no rollouts in" in (state.message or "") and "after 1 s" in state.message, state.message
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup):
