@@ -166,17 +166,23 @@ def test_a_resident_job_that_ends_before_a_rounds_checkpoint_fails_the_run_with_
 
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("slurm_cluster")
-def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, request):
     import subprocess
+
+    if nodes == 2:
+        request.getfixturevalue("slurm_cluster_2nodes")
 
     from posttrain.cluster import SlurmConfig
     from posttrain.pipeline.blocks import SlurmCluster
     from posttrain.pipeline.flows.grpo import grpo
     from tests.runs.test_training_slurm_2nodes import two_node_cluster
 
-    block = "flows-grpo-resident-slurm"
-    SlurmCluster(settings=SlurmConfig(**{**two_node_cluster(tiny_setup.root), "nodes": 1})).save(block, overwrite=True)
-    params = tiny_setup.grpo_settings("flows-resident-slurm", rounds=3, cluster=f"posttrain-slurm-cluster/{block}")
+    block = f"flows-grpo-resident-slurm-{nodes}"
+    SlurmCluster(settings=SlurmConfig(**{**two_node_cluster(tiny_setup.root), "nodes": nodes})).save(block,
+                                                                                                   overwrite=True)
+    params = tiny_setup.grpo_settings(f"flows-resident-slurm{nodes}", rounds=3,
+                                      cluster=f"posttrain-slurm-cluster/{block}")
     state = grpo(**params, return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
@@ -189,3 +195,9 @@ def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup):
     assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert [row["round"] for row in report.rounds] == [0, 1, 2]
     assert tiny_setup.served_identity() == report.final_snapshot
+    if nodes == 2:  # one rank on each node, in the one job
+        from tests.pipeline.test_flows_multinode import rank_log
+
+        logs = [rank_log(job.log_path, r) for r in (0, 1)]
+        assert "distributed: rank 0 of world size 2 (node rank 0" in logs[0], logs[0][-2000:]
+        assert "distributed: rank 1 of world size 2 (node rank 1" in logs[1], logs[1][-2000:]
