@@ -201,3 +201,63 @@ def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, reque
         logs = [rank_log(job.log_path, r) for r in (0, 1)]
         assert "distributed: rank 0 of world size 2 (node rank 0" in logs[0], logs[0][-2000:]
         assert "distributed: rank 1 of world size 2 (node rank 1" in logs[1], logs[1][-2000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeypatch):
+    # Round sampling lasts >= 4 s (a slow reward); once round 0's checkpoint is written, the job is
+    # requeued (scontrol requeue) while it waits for round 1: its second start resumes from
+    # checkpoint-1 and trains rounds 1 and 2; the flow follows the same job throughout.
+    import subprocess
+    import threading
+
+    from posttrain.cluster import SlurmConfig
+    from posttrain.pipeline.blocks import SlurmCluster
+    from posttrain.pipeline.flows.grpo import grpo
+    from tests.cluster.test_cluster_slurm_real import _requeue_and_release, _scontrol_show
+    from tests.pipeline.flaky import SLOW_SECONDS_ENV
+    from tests.runs.test_training_slurm_2nodes import two_node_cluster
+
+    monkeypatch.setenv(SLOW_SECONDS_ENV, "4")
+    block = "flows-grpo-resident-requeue"
+    SlurmCluster(settings=SlurmConfig(**{**two_node_cluster(tiny_setup.root), "nodes": 1})).save(block, overwrite=True)
+    run = "flows-resident-requeue"
+    params = tiny_setup.grpo_settings(run, rounds=3, prompts_per_round=1, cluster=f"posttrain-slurm-cluster/{block}",
+                                      reward_funcs=["tests.pipeline.flaky:slow_reward"])
+    requeued: dict = {}
+
+    def requeue_after_round_0() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            found = list(tiny_setup.shared_dir.glob(f"runs/{run}-*/policy/checkpoint-1/trainer_state.json"))
+            if found:
+                run_dir = found[0].parents[2]
+                job = JobRecord.model_validate_json((run_dir / "training-job.json").read_text())
+                requeued["mtime"] = found[0].stat().st_mtime_ns
+                requeued["had_2"] = (run_dir / "policy" / "checkpoint-2").exists()
+                _requeue_and_release(job.job_id)
+                requeued["job"] = job
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=requeue_after_round_0, daemon=True)
+    watcher.start()
+    state = grpo(**params, return_state=True)
+    watcher.join(timeout=60)
+    assert state.is_completed(), state.message
+    assert "job" in requeued and not requeued["had_2"], requeued  # requeued mid-run, before round 1 trained
+    report = state.result()
+    run_dir = tiny_setup.shared_dir / "runs" / report.run_name
+    job = requeued["job"]
+    assert "Restarts=1" in _scontrol_show(job.job_id)
+    sacct = subprocess.run(["sacct", "-X", "-n", "-P", "--name", job.name, "-o", "JobID,State"],
+                           capture_output=True, text=True, timeout=20).stdout.split()
+    assert sacct == [f"{job.job_id}|COMPLETED"], sacct  # the same one job
+    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert (run_dir / "policy" / "checkpoint-1" / "trainer_state.json").stat().st_mtime_ns == requeued["mtime"]
+    (results,) = sorted((run_dir / "policy" / ".posttrain").glob("*.results.jsonl"))
+    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    assert lines[-1]["completed"] and lines[-1]["rounds_done"] == 3, lines
+    assert lines[-1]["resumed_from"] == str(run_dir / "policy" / "checkpoint-1"), lines
+    assert tiny_setup.served_identity() == report.final_snapshot
