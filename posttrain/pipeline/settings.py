@@ -273,6 +273,16 @@ class GrpoSettings(RunSettings):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Sampling and rewards.")
     trainer: StepTrainerSettings = Field(default_factory=StepTrainerSettings,
                                          description="Settings of the training step.")
+    trainer_job: Literal["resident", "per_round"] = Field(
+        "resident", description="resident: one training job for the whole run, which loads the policy and its "
+        "optimizer once and trains each round as the flow hands it its rollouts. per_round: a training job per "
+        "round (loads both again each round), for clusters with a short job time limit or preemptible queues, "
+        "where GPUs held idle between rounds cost more than reloading. docs/trainer.md.")
+    round_timeout_s: float = Field(
+        1800.0, gt=0, description="resident: seconds the trainer waits for a round's rollouts before its job ends "
+        "(a flow run that failed has this long to be retried and find its job waiting).")
+    watch_poll_s: float = Field(2.0, gt=0, description="resident: seconds between looks for the trainer's "
+                                "checkpoints.")
 
     @field_validator("trainer")
     @classmethod

@@ -100,11 +100,11 @@ def job_spans(job: JobTimeline, lost: _Lost | None = None) -> list[Span]:
         spans += [Span("checkpoint", b, e) for b, e in a.saves]
         if a.finished:
             if a.loaded is not None:
-                spans.append(Span("training", a.loaded, last))
+                spans += training_spans(a.loaded, last, a.waits)
             continue
         redone_from = a.last_save_end if a.saves else (a.loaded if a.loaded is not None else last)
         if a.loaded is not None:
-            spans.append(Span("training", a.loaded, redone_from))
+            spans += training_spans(a.loaded, redone_from, a.waits)
         until = following.start if following is not None else last
         spans.append(Span("lost", redone_from, until))
         lost.redone += max(0.0, min(last, until) - redone_from)
@@ -112,6 +112,19 @@ def job_spans(job: JobTimeline, lost: _Lost | None = None) -> list[Span]:
         lost.steps += sum(1 for _, begin, _ in a.steps if begin >= redone_from)
         lost.restarts += following is not None
     return spans
+
+
+def training_spans(start: float, end: float, waits: list[tuple[float, float]]) -> list[Span]:
+    """Training over [start, end] less a resident trainer's waits for rounds (the flow's sampling,
+    publishing and hot-loading show there, else orchestration)."""
+    spans, at = [], start
+    for b, e in sorted(waits):
+        if b > at:
+            spans.append(Span("training", at, min(b, end)))
+        at = max(at, e)
+    if end > at:
+        spans.append(Span("training", at, end))
+    return [s for s in spans if s.end > s.start]
 
 
 def paint(start: float, end: float, spans: list[Span]) -> dict[str, float]:

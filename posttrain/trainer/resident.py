@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from posttrain.rollouts.format import load_rollouts
-from posttrain.trainer import distributed
+from posttrain.trainer import distributed, timeline
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, CheckpointInfo, complete_checkpoints
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.rounds import RoundError, RoundReady, handed_rollouts, read_ready, round_dir
@@ -73,7 +73,8 @@ def run_resident(config: TrainerConfig, stop_event: threading.Event) -> Training
                               metrics=metrics, rounds_done=done, **fields)
 
     for r in range(done, config.rounds):
-        ready = wait_for_round(config, r, trainer.device, stop_event)
+        with timeline.current().span("round_wait", round=r):  # goodput: waiting on the flow is not training
+            ready = wait_for_round(config, r, trainer.device, stop_event)
         if ready is None:
             log.info("stop requested while waiting for round %d", r)
             return result(completed=False, stopped_early=True)

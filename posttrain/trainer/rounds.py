@@ -22,6 +22,7 @@ round ``r`` again only with the same rollouts (same SHA-256). No torch here: the
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -49,6 +50,18 @@ class RoundReady(BaseModel):
         min_length=1, description="Policy versions that sampled the rollouts, ascending (one for synchronous rounds)."
     )
     created: datetime = Field(description="When the flow handed the round (UTC).")
+
+
+def start_position(model_dir: str | Path) -> tuple[int, int]:
+    """(global_step, policy_version) of the initial policy: from its trainer_state.json, else (0, 0)
+    (``posttrain.trainer.step.policy_position``'s rule, without torch): round r's checkpoint is
+    ``checkpoint-<global_step + (r + 1) * num_iterations>``."""
+    path = Path(model_dir) / "trainer_state.json"
+    if not path.exists():
+        return 0, 0
+    state = json.loads(path.read_text())
+    step = int(state.get("global_step", 0))
+    return step, int(state.get("policy_version", step))
 
 
 def round_dir(rounds_dir: str | Path, round: int) -> Path:

@@ -138,6 +138,8 @@ class Attempt:
     start: float
     loaded: float | None = None
     saves: list[tuple[float, float]] = field(default_factory=list)  # (begin, end) of each completed save
+    # (begin, end) of each wait of a resident trainer for a round's rollouts (``round_wait`` spans): not training
+    waits: list[tuple[float, float]] = field(default_factory=list)
     steps: list[tuple[int, float, float | None]] = field(default_factory=list)  # (step, begin, end)
     last: float = 0.0  # the last time it recorded
     ended: float | None = None  # its ``end`` line, when it returned
@@ -157,6 +159,7 @@ def parse_timeline(lines: list[str]) -> list[Attempt]:
     """The attempts of a timeline, by start time; lines that do not parse (a torn last line) are skipped."""
     attempts: dict[str, Attempt] = {}
     open_saves: dict[str, float] = {}
+    open_waits: dict[str, float] = {}
     for line in lines:
         try:
             e = json.loads(line)
@@ -179,6 +182,10 @@ def parse_timeline(lines: list[str]) -> list[Attempt]:
             open_saves[key] = t
         elif kind == "save_end" and key in open_saves:
             a.saves.append((open_saves.pop(key), t))
+        elif kind == "round_wait_begin":
+            open_waits[key] = t
+        elif kind == "round_wait_end" and key in open_waits:
+            a.waits.append((open_waits.pop(key), t))
         elif kind == "end":
             a.ended = t
             a.completed = bool(e.get("completed"))

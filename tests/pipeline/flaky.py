@@ -32,3 +32,19 @@ def slow_reward(completions: list, **kwargs) -> list[float]:
     """Sleeps, then scores 0.0: a shard's body lasts at least this long per prompt."""
     time.sleep(float(os.environ.get(SLOW_SECONDS_ENV, "1.0")))
     return [0.0] * len(completions)
+
+
+FAIL_ROUND_MARKER_ENV = "POSTTRAIN_TEST_FAIL_ROUND"  # "<round>:<file>": fail that round while the file exists
+
+
+def round_failing_reward(completions: list, **kwargs) -> list[float]:
+    """Raises ValueError (not transient: no shard retry helps) in the rollout shards of one round while
+    a marker file exists (``POSTTRAIN_TEST_FAIL_ROUND=<round>:<file>``); scores by length otherwise."""
+    spec = os.environ.get(FAIL_ROUND_MARKER_ENV)
+    if spec:
+        from prefect.runtime import flow_run
+
+        round, marker = spec.split(":", 1)
+        if os.path.exists(marker) and str(flow_run.name or "").startswith(f"round-{round}-"):
+            raise ValueError(f"injected: round {round}'s reward fails while {marker} exists")
+    return [float(len(c if isinstance(c, str) else str(c))) for c in completions]

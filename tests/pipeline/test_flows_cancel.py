@@ -115,7 +115,8 @@ def cancel_and_check_stopped(flow_run_id: str, job: JobRecord) -> float:
 def test_cancelling_a_grpo_run_stops_its_training_step(process_worker, tiny_setup):
     # One round of one prompt; its training step takes num_iterations optimizer steps on the round's
     # two rollouts, milliseconds each on the tiny model: a million of them outlast the test by far.
-    settings = tiny_setup.grpo_settings("flows-cancel-grpo", prompts_per_round=1, num_iterations=1_000_000)
+    settings = tiny_setup.grpo_settings("flows-cancel-grpo", prompts_per_round=1, num_iterations=1_000_000,
+                                       trainer_job="per_round")
     flow_run_id, job = start_until_submitted(tiny_setup, process_worker, GRPO, "flows-cancel-grpo", settings,
                                              "rounds/0000/train-job.json")
     assert job.name.startswith("flows-cancel-grpo-") and job.name.endswith("-step"), job.name

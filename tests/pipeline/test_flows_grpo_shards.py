@@ -19,14 +19,14 @@ from tests.support.tensorboard import scalar_curves
 pytestmark = pytest.mark.slow
 
 
-def grpo_settings(setup, run_name: str, *, shards: int, reward_funcs: list[str]):
+def grpo_settings(setup, run_name: str, *, shards: int, reward_funcs: list[str], trainer_job: str = "resident"):
     from posttrain.pipeline.settings import GrpoSettings
 
     return GrpoSettings(
         run_name=run_name, base_model=str(setup.base_model), dataset=str(setup.dataset),
         shared_dir=str(setup.shared_dir), rounds=1, prompts_per_round=shards, shards=shards,
         rollout={"num_generations": 2, "max_completion_length": 4, "reward_funcs": reward_funcs},
-        trainer={"learning_rate": 1e-3, "use_cpu": True},
+        trainer={"learning_rate": 1e-3, "use_cpu": True}, trainer_job=trainer_job,
     )
 
 
@@ -70,8 +70,10 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     # The first call of flaky_reward, in whichever shard makes it, raises ConnectionError (transient).
     marker = tmp_path / "flaky-fired"
     monkeypatch.setenv(FLAKY_MARKER_ENV, str(marker))
+    # per_round: its goodput check below reads a round's step job (queue, start-up, training after sampling).
     state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-flaky", shards=3,
-                                                reward_funcs=["tests.pipeline.flaky:flaky_reward"]))
+                                                reward_funcs=["tests.pipeline.flaky:flaky_reward"],
+                                                trainer_job="per_round"))
     assert state.is_completed(), state.message
     assert marker.exists()
     assert read_flow_run(flow_run_id).name.startswith("flows-grpo-flaky-")  # named from the run name

@@ -65,18 +65,20 @@ def test_nightly_lora_merged_published_and_served_bit_exact(tiny_setup, tmp_path
 
 
 @pytest.mark.timeout(600)
-def test_grpo_lora_rounds_train_one_adapter_and_serve_its_merge(tiny_setup):
+@pytest.mark.parametrize("trainer_job", ["per_round", "resident"])
+def test_grpo_lora_rounds_train_one_adapter_and_serve_its_merge(tiny_setup, trainer_job):
     from posttrain.lora import read_adapter
     from posttrain.pipeline.flows.grpo import grpo
 
-    params = tiny_setup.grpo_settings("flows-grpo-lora", **LORA, rounds=2, learning_rate=5e-2,
-                                      reward_funcs=["posttrain.rewards:length_reward"])
+    params = tiny_setup.grpo_settings(f"flows-grpo-lora-{trainer_job.replace('_', '-')}", **LORA, rounds=2,
+                                      learning_rate=5e-2, reward_funcs=["posttrain.rewards:length_reward"],
+                                      trainer_job=trainer_job)
     state = grpo(**params, return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
     assert [r["kind"] for r in report.rounds] == ["full", "delta"]
-    # report_to: tensorboard (the default): one point per round, at step = the round, each round's job
-    # (a process of its own) adding to the run folder's curves.
+    # report_to: tensorboard (the default): one point per round, at step = the round, from each round's job
+    # (per_round: a process of its own) or the one resident job, in the run folder's curves.
     curves = scalar_curves(report.tensorboard_dir)
     assert [s for s, _ in curves["train/loss"]] == [s for s, _ in curves["train/reward"]] == [0, 1], curves
     assert report.tensorboard_dir == str(Path(report.run_dir) / "tensorboard")

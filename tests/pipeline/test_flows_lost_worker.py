@@ -69,7 +69,8 @@ def test_a_lost_worker_is_recovered_from_the_cli_and_the_retries_find_their_jobs
     # A GRPO run of two rounds (each round's training step runs locally), then a nightly run on Slurm
     # that trains for ages (it is cancelled once recovered): both are mid-run when the worker is lost.
     grpo_id, grpo_job = start_until_submitted(
-        tiny_setup, process_worker, GRPO, "flows-lost-local", tiny_setup.grpo_settings("flows-lost-local", rounds=2),
+        tiny_setup, process_worker, GRPO, "flows-lost-local", tiny_setup.grpo_settings("flows-lost-local", rounds=2,
+                                                                                       trainer_job="per_round"),
         "rounds/0000/train-job.json")
     slurm = _slurm_block(tiny_setup, "flows-lost-worker")
     nightly_id, nightly_job = start_until_submitted(

@@ -128,3 +128,29 @@ def test_the_recorder_appends_whole_lines_and_the_reader_skips_a_torn_one(tmp_pa
     assert a.start <= a.loaded and not a.finished
     Timeline(None).mark("loaded")  # no path: records nothing
     assert read_timeline(tmp_path / "missing.jsonl") == []
+
+
+def test_a_resident_trainers_waits_for_rounds_are_not_training():
+    # Loaded at 14; waits for round 0 (14 -> 20) and round 1 (25 -> 33) while the flow samples;
+    # each round's update and save follow; it ends at 40.
+    events = [("start", 10), ("loaded", 14),
+              ("round_wait_begin", 14, {"round": 0}), ("round_wait_end", 20, {"round": 0}),
+              ("step_begin", 20, {"step": 1}), ("step_end", 23, {"step": 1}),
+              ("save_begin", 23, {"step": 1}), ("save_end", 25, {"step": 1}),
+              ("round_wait_begin", 25, {"round": 1}), ("round_wait_end", 33, {"round": 1}),
+              ("step_begin", 33, {"step": 2}), ("step_end", 36, {"step": 2}),
+              ("save_begin", 36, {"step": 2}), ("save_end", 38, {"step": 2}), ("end", 40, {"completed": True})]
+    (attempt,) = parse_timeline(lines("r", *events))
+    assert attempt.waits == [(14, 20), (25, 33)]
+    job = JobTimeline(submitted_at=8, attempts=[attempt])
+    waits = [Span("sampling", 12, 20), Span("publish", 25, 27), Span("hot-load", 27, 28), Span("sampling", 28, 32)]
+    s = compute_goodput(0, 40, [job], waits).seconds
+    assert (s["queue"], s["startup"], s["checkpoint"]) == (2, 4, 4)
+    assert s["training"] == 3 + 3 + 2  # the updates, and the end (38 -> 40); not the waits
+    assert (s["sampling"], s["publish"], s["hot-load"]) == (6 + 4, 2, 1)  # where no job time covers them
+    assert s["orchestration"] == 8 + 1  # before the submit; 32 -> 33 (the trainer seeing the marker)
+    assert total_seconds(s) == 40
+
+
+def total_seconds(seconds: dict) -> float:
+    return sum(seconds.values())

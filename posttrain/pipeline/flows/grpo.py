@@ -1,6 +1,13 @@
 """The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
 from the deployment as concurrent subflows, then trains one step on the cluster.
 
+Training (``trainer_job``): ``resident`` (the default) submits one trainer job for the whole run
+(``mode: resident``), which loads the policy and its optimizer once; each round's rollouts are handed
+to it in the round's folder and the flow waits for the round's checkpoint with the run's checkpoint
+watch. ``per_round`` submits a step job per round (``mode: step``). A retried flow run finds the
+resident job (its submit marker) and goes on from the rounds it trained: a round whose checkpoint
+exists is not sampled again; one whose rollouts were written is handed again, not sampled again.
+
 Every rollout of round r carries policy version r and the snapshot identity hot-loaded for the
 round; a shard whose replies come from any other snapshot fails (``SnapshotMismatch``).
 
@@ -32,7 +39,8 @@ from posttrain.pipeline.tasks.report import (
 )
 from posttrain.pipeline.tasks.rollouts import rollout_shard_task
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import cancel_submitted, train_step
+from posttrain.pipeline.tasks.training import JOB_MARKER, ResidentJob, cancel_submitted, train_step
+from posttrain.rollouts.format import load_rollouts
 from posttrain.rollouts.rounds import pooled_rewards, shard_specs
 from posttrain.rollouts.shard import merge_rollouts
 
@@ -67,8 +75,21 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     rows = read_staged_rows(staged.manifest_path)
     current = settings.base_model
     table: list[dict] = []
+    resident = None
+    if settings.trainer_job == "resident":  # one job for every round, submitted (or found) once
+        trainer = step_trainer(settings, mode="resident", model_name_or_path=settings.base_model,
+                               rounds_dir=run_dir / "rounds", rounds=settings.rounds,
+                               round_timeout_s=settings.round_timeout_s)
+        resident = ResidentJob(settings.cluster, settings.run_name, trainer, run_dir,
+                               poll_interval=settings.watch_poll_s, card=card)
+        training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
     for r in range(settings.rounds):
         t0 = time.perf_counter()
+        if resident is not None and (resident.trained(r) or resident.sampled(r)):
+            # A retried flow run: the round was sampled (and maybe trained) by an earlier attempt.
+            current = resume_round(resident, r, table, logger, t0)
+            round_table(card, table, resident.trainer)
+            continue
         with clock.wait("publish"):
             snapshot = publish_weights(current, r, settings)
         t_pub = time.perf_counter() - t0
@@ -88,14 +109,17 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
             shards = futures.result()
             rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
         n, mean, std, spread = pooled_rewards(shards)
-        trainer = trainer_config(settings.trainer, settings.lora, mode="step", model_name_or_path=current,
-                                 output_dir=run_dir / "policy", rollouts=rollouts,
-                                 temperature=settings.rollout.temperature, logging_dir=run_dir / "tensorboard",
-                                 run_name=settings.run_name)
-        if r == 0:
-            training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
-        current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
-                             card=card)
+        if resident is not None:
+            resident.hand(r, r)
+            current = str(resident.wait(r).path)
+            trainer = resident.trainer
+            logger.info("round %d: trained by the resident job at %s", r, current)
+        else:
+            trainer = step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts)
+            if r == 0:
+                training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
+            current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
+                                 card=card)
         table.append({
             "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
             "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
@@ -107,6 +131,8 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         events.round_finished(settings.run_name, r, n, mean, std, identity)
         reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
         logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
+    if resident is not None:
+        resident.finish()  # the job's end: it completed after the last round, or the run fails with its reason
     with clock.wait("publish"):
         final = publish_weights(current, settings.rounds, settings)
     if settings.inference:
@@ -114,8 +140,42 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
             hot_load(final, settings)
     svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
-    report_goodput(card, settings.run_name, clock, sorted(run_dir.glob("rounds/*/train-job.json")))
+    jobs = [run_dir / JOB_MARKER] if resident is not None else sorted(run_dir.glob("rounds/*/train-job.json"))
+    report_goodput(card, settings.run_name, clock, jobs)
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
                       final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir),
                       tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in settings.trainer.report_to
                       else None)
+
+
+def step_trainer(settings: GrpoSettings, **filled):
+    """The trainer config of the run's step job (``mode: step``) or resident job (``mode: resident``):
+    the flow's trainer settings, sampled at the rollouts' temperature, checkpoints in the run's policy folder."""
+    run_dir = settings.run_dir
+    return trainer_config(settings.trainer, settings.lora, output_dir=run_dir / "policy",
+                          temperature=settings.rollout.temperature, logging_dir=run_dir / "tensorboard",
+                          run_name=settings.run_name, **filled)
+
+
+def resume_round(resident: ResidentJob, r: int, table: list[dict], logger, t0: float) -> str:
+    """A round an earlier attempt of the flow run sampled: hand it again unless it trained, wait for
+    its checkpoint, add its row (its rewards read back from its rollouts); the round's policy."""
+    done = resident.trained(r)
+    if done is None:
+        logger.info("round %d: rollouts written by an earlier attempt; handing them again", r)
+        resident.hand(r, r)
+        done = resident.wait(r)
+    else:
+        logger.info("round %d: trained by an earlier attempt (%s); not sampled again", r, done.path)
+    folder = resident.rounds_dir / f"{r:04d}"
+    rollouts = load_rollouts(folder / "rollouts.jsonl")[0] if resident.sampled(r) else []
+    rewards = [x.reward for x in rollouts]
+    identity = next((x.snapshot_identity for x in rollouts if x.snapshot_identity), "")  # what sampled them
+    n = len(rewards)
+    mean = sum(rewards) / n if n else 0.0
+    std = (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5 if n else 0.0
+    table.append({"round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
+                  "reward std": round(std, 4), "shard spread": None, "snapshot": identity, "kind": None,
+                  "delta % of full": None, "publish s": None, "hot-load s": None,
+                  "round s": round(time.perf_counter() - t0, 2), "resumed": True})
+    return str(done.path)

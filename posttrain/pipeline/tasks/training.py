@@ -1,4 +1,5 @@
-"""Tasks that run the trainer on the cluster: the nightly GRPO run, and the GRPO step of a round.
+"""Tasks that run the trainer on the cluster: the nightly GRPO run, the GRPO step of a round, and the
+resident trainer of a GRPO run (``ResidentJob``: one job, handed a round at a time).
 
 A marker file in the run folder records the submission (``posttrain.runs.once``), so a
 retried flow run finds its job instead of submitting another. Following the job, before or
@@ -26,11 +27,20 @@ from posttrain.runs.once import (
     completed_result,
     job_ended,
     job_name,
+    live_run,
     submit_once,
     wait_for_result,
 )
-from posttrain.trainer.checkpoints import CheckpointInfo
-from posttrain.trainer.config import TrainerConfig
+from posttrain.trainer.checkpoints import CheckpointInfo, try_inspect
+from posttrain.trainer.config import TrainerConfig, TrainingResult
+from posttrain.trainer.rounds import ROLLOUTS_FILE, hand_round, read_ready, round_dir, start_position
+
+#: The submit marker of a run's one training job (the nightly run's, a resident GRPO trainer's).
+JOB_MARKER = "training-job.json"
+#: The watch cursor of that job's checkpoints.
+CURSOR_FILE = "watch-cursor.json"
+#: Lines of a job's log quoted when it ended without the checkpoint a round waited for.
+LOG_TAIL_LINES = 20
 
 
 def cluster_settings(cluster_ref: str) -> ClusterConfig:
@@ -89,8 +99,82 @@ def train_step(cluster_ref: str, run_name: str, round: int, trainer: TrainerConf
 
 
 def submitted_markers(run_dir: Path) -> list[Path]:
-    """The submit markers a run leaves: the nightly run's training job, each GRPO round's step."""
-    return [m for m in (run_dir / "training-job.json", *sorted(run_dir.glob("rounds/*/train-job.json"))) if m.exists()]
+    """The submit markers a run leaves: the run's one training job (nightly, or a GRPO run's resident
+    trainer), each GRPO round's step job (per_round)."""
+    return [m for m in (run_dir / JOB_MARKER, *sorted(run_dir.glob("rounds/*/train-job.json"))) if m.exists()]
+
+
+class ResidentJob:
+    """A GRPO run's resident trainer (``mode: resident``), as the flow drives it: submitted once (the
+    run's submit marker: a retried flow run finds the job), handed each round's rollouts
+    (``posttrain.trainer.rounds``), its checkpoints followed with the run's watch and cursor.
+
+    Round r of a run from ``model_name_or_path`` at global step s writes ``checkpoint-<s + (r + 1) *
+    num_iterations>``, as a chain of step jobs would (docs/trainer.md); a round is done once that
+    checkpoint is complete, whichever attempt of the flow run handed it."""
+
+    def __init__(self, cluster_ref: str, run_name: str, trainer: TrainerConfig, run_dir: Path, *,
+                 poll_interval: float, card: str | None = None) -> None:
+        assert trainer.mode == "resident" and trainer.rounds_dir is not None
+        self.trainer = trainer
+        self.rounds_dir = trainer.rounds_dir
+        self.job = submit(cluster_ref, f"{run_name}-resident", trainer, str(run_dir / JOB_MARKER), card=card)
+        self._start = start_position(trainer.model_name_or_path)[0]
+        self._watch = watch_job(self.job, cluster_ref, run_dir / CURSOR_FILE, poll_interval)
+
+    def checkpoint_path(self, round: int) -> Path:
+        """Where the checkpoint of ``round`` is (as this machine sees the output folder)."""
+        step = self._start + (round + 1) * self.trainer.num_iterations
+        return self.job.local_dir() / f"checkpoint-{step}"
+
+    def trained(self, round: int) -> CheckpointInfo | None:
+        """The round's checkpoint when it is complete (an earlier attempt's round), else None."""
+        return try_inspect(self.checkpoint_path(round))
+
+    def sampled(self, round: int) -> bool:
+        """Whether the round's rollouts file is written (whole: it is written atomically)."""
+        return (round_dir(self.rounds_dir, round) / ROLLOUTS_FILE).is_file()
+
+    def hand(self, round: int, policy_version: int) -> None:
+        """Hand the round's rollouts (already in its folder) to the trainer; again is a no-op."""
+        earlier = read_ready(self.rounds_dir, round)
+        hand_round(self.rounds_dir, round, earlier.policy_versions if earlier else policy_version)
+
+    def wait(self, round: int) -> CheckpointInfo:
+        """The round's checkpoint, once the trainer wrote it; a RuntimeError with the job's reason
+        when the job ended first."""
+        want = self.checkpoint_path(round)
+        for ckpt in self._watch:
+            if ckpt.path.name == want.name:
+                return ckpt
+            if ckpt.step > int(want.name.split("-")[1]):
+                raise RuntimeError(f"round {round}: the trainer wrote {ckpt.path.name} instead of {want.name}")
+            # an earlier round's, handled by an earlier attempt of the flow run
+        raise RuntimeError(f"round {round}: training job {self.job.job_id} ended before writing {want.name}: "
+                           f"{self.end_reason()}")
+
+    def end_reason(self) -> str:
+        """Why the job ended: the backend's word for a job this process submitted, else its log's last lines."""
+        run = live_run(self.job)
+        if run is not None:
+            return run.failure_reason()
+        try:
+            completed_result(self.job)
+        except RuntimeError as e:
+            reason = str(e)
+        else:
+            reason = "it completed"
+        log = Path(self.job.log_path) if self.job.log_path else None
+        if log is not None and log.is_file():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+            reason += f"\nlast lines of {log}:\n{tail}"
+        return reason
+
+    def finish(self) -> TrainingResult:
+        """After the last round: the job's end (its event), then its completed result."""
+        for ckpt in self._watch:
+            get_run_logger().warning("checkpoint %s after the run's last round", ckpt.path)
+        return completed_result(self.job)
 
 
 def flow_run_resource(flow_run) -> dict[str, str]:
