@@ -8,6 +8,8 @@ scheduler's task stream; what ran when, from the Prefect server (subflow and tas
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
@@ -22,7 +24,8 @@ WORKERS = 2
 
 @pytest.fixture(scope="module")
 def dask_cluster(tmp_path_factory):
-    """Two Dask worker processes of one thread each, on 127.0.0.1, and a client of the cluster.
+    """Two Dask worker processes of one thread each, on 127.0.0.1, and a client of the cluster (not
+    the default one: the flow's DaskTaskRunner would take a default client's cluster, not the address).
     The toy rewards read their settings from the workers' environment: a shard of slow_reward lasts
     2 s a prompt, and flaky_reward fails once per cluster (the first call creates the marker)."""
     from distributed import Client, LocalCluster
@@ -30,7 +33,7 @@ def dask_cluster(tmp_path_factory):
     marker = tmp_path_factory.mktemp("dask") / "flaky-fired"
     env = {SLOW_SECONDS_ENV: str(SLOW_S), FLAKY_MARKER_ENV: str(marker)}
     with LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None, env=env) as cluster, Client(cluster) as client:
+                      dashboard_address=None, env=env) as cluster, Client(cluster, set_as_default=False) as client:
         # What every shard imports, once per worker before the runs (not part of what is measured).
         client.run(lambda: __import__("posttrain.pipeline.tasks.rollouts") and __import__("transformers"))
         yield cluster, client, marker
@@ -42,10 +45,11 @@ def dask_settings(setup, run_name: str, cluster, *, shards: int, reward_funcs: l
 
 
 def shard_tasks_by_worker(stream: list[dict]) -> dict[str, int]:
-    """The Dask tasks of the shards in a task stream, counted per worker address."""
+    """The Dask tasks of the shards in a task stream (keys ``_rollout_shard-<token>``, after the
+    task's function), counted per worker address."""
     counts: dict[str, int] = {}
     for t in stream:
-        if "rollout" in str(t["key"]) or "shard" in str(t["key"]):
+        if str(t["key"]).startswith("_rollout_shard-"):
             counts[t["worker"]] = counts.get(t["worker"], 0) + 1
     return counts
 
@@ -86,15 +90,20 @@ def test_the_shards_of_a_round_run_on_both_dask_workers(tiny_setup, dask_cluster
 
 @pytest.mark.timeout(240)
 def test_a_failing_shard_on_dask_is_retried_alone(tiny_setup, dask_cluster):
-    cluster, _, marker = dask_cluster
+    from distributed import get_task_stream
+
+    cluster, client, marker = dask_cluster
     settings = dask_settings(tiny_setup, "flows-grpo-dask-flaky", cluster, shards=3,
                              reward_funcs=["tests.pipeline.flaky:flaky_reward"])
-    state, flow_run_id = run_grpo(settings)
+    with get_task_stream(client) as stream:
+        state, flow_run_id = run_grpo(settings)
     assert state.is_completed(), state.message
-    # The failure happened in a worker process, not in this one.
+    # The failure happened in a worker process, not in this one, and Prefect retried the shard
+    # inside its Dask task: three Dask tasks for three shards.
     pid = int(marker.read_text())
-    worker_pids = set(dask_cluster[1].run(__import__("os").getpid).values())
+    worker_pids = set(client.run(os.getpid).values())
     assert pid in worker_pids, (pid, worker_pids)
+    assert sum(shard_tasks_by_worker(stream.data).values()) == 3, stream.data
 
     shard_tasks = {t.name: t for t in task_runs(flow_run_id) if t.name.startswith("shard-")}
     assert sorted(shard_tasks) == ["shard-0", "shard-1", "shard-2"]
