@@ -9,11 +9,12 @@ scheduler's task stream; what ran when, from the Prefect server (subflow and tas
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
-from tests.pipeline.runs import overlapping, subflow_runs, task_runs
+from tests.pipeline.runs import flow_run_logs, overlapping, subflow_runs, task_runs
 from tests.pipeline.test_flows_grpo_shards import grpo_settings, run_grpo
 
 pytestmark = pytest.mark.slow
@@ -86,6 +87,17 @@ def test_the_shards_of_a_round_run_on_both_dask_workers(tiny_setup, dask_cluster
     shard_tasks = [t for t in task_runs(flow_run_id) if t.name.startswith("shard-")]
     assert sorted(t.name for t in shard_tasks) == [f"shard-{s}" for s in range(4)]
     assert all(t.state.is_completed() and t.run_count == 1 for t in shard_tasks)
+
+    # Each shard's log line (its task run's, in the flow run), sent to the API from its worker,
+    # names the process that ran it (ShardResult.worker).
+    pids = {str(pid) for pid in client.run(os.getpid).values()}
+    ran_in: dict[str, str] = {}
+    deadline = time.monotonic() + 15  # the workers send their logs in the background
+    while len(ran_in) < 4 and time.monotonic() < deadline:
+        found = [m for m in flow_run_logs(flow_run_id) if "; ran in " in m]
+        ran_in = {m.split(" of ")[0]: m.rsplit(":", 1)[1].rstrip(")") for m in found}
+        time.sleep(0.5)
+    assert len(ran_in) == 4 and set(ran_in.values()) == pids, (ran_in, pids)
 
 
 @pytest.mark.timeout(240)
