@@ -1,5 +1,7 @@
 """The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
-from the deployment as concurrent subflows, then trains one step on the cluster.
+from the deployment as concurrent subflows, then trains one step on the cluster. The shards run on
+the flow's own task runner (threads in its process) or, with ``task_runner: dask``, on a Dask
+cluster (``shard_runner``; docs/prefect.md).
 
 Every rollout of round r carries policy version r and the snapshot identity hot-loaded for the
 round; a shard whose replies come from any other snapshot fails (``SnapshotMismatch``).
