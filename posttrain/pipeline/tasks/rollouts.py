@@ -161,7 +161,7 @@ def shard_runner(task_runner: str, dask_address: str | None = None, dask_workers
 
 def map_shards(runner, specs: list[ShardSpec], settings: RolloutSettings, inference: str | None,
                tokenizer_dir: str) -> PrefectFutureList:
-    """The round's shard tasks, one per spec, started at once: on the flow's task runner (``runner``
+    """The round's shard tasks, one per spec, submitted at once: on the flow's task runner (``runner``
     None) or on ``runner`` (``shard_runner``'s)."""
     if runner is None:
         return rollout_shard_task.map(specs, unmapped(settings), unmapped(inference), unmapped(tokenizer_dir))
