@@ -27,6 +27,8 @@ from posttrain.trainer.config import MODES, LoraSettings, TrainerConfig
 RUN_NAME_RE = re.compile(r"^[0-9a-z]([-0-9a-z]{0,34}[0-9a-z])?$(?!\n)")
 #: Parameters that name a block. The CLI gives ``<slug>/<name>``; the UI's run form also offers a
 #: picker of the saved blocks of these types (Prefect passes a reference to the one picked).
+# A Dask scheduler's address, protocol://host:port (tcp, tls, ucx, ws, wss); a pydantic pattern, as BLOCK_REF.
+DASK_ADDRESS = r"^(tcp|tls|ucx|ws|wss)://[^\s/]+:[0-9]+$"
 BLOCK_PARAMETERS = {"cluster": (LocalCluster, SlurmCluster, KubernetesCluster), "store": (ObjectStore,),
                     "inference": (InferenceDeployment,)}
 #: Block parameters of promotion: the production deployment, the staging one (the promote flow's).
@@ -270,6 +272,16 @@ class GrpoSettings(RunSettings):
     rounds: int = Field(2, ge=1, description="GRPO rounds (publish, hot-load, sample, train).")
     prompts_per_round: int = Field(8, ge=1, description="Prompts sampled per round.")
     shards: int = Field(2, ge=1, description="Rollout shards per round, sampled concurrently.")
+    task_runner: Literal["threads", "dask"] = Field(
+        "threads", description="Where the rollout shards run: `threads` in the flow's process, or `dask` on a Dask "
+        "cluster (dask_address, else a temporary local one). docs/prefect.md.")
+    dask_address: str | None = Field(  # the schema's pattern also refuses a final newline (see whole_value)
+        None, pattern=DASK_ADDRESS, json_schema_extra={"pattern": DASK_ADDRESS + r"(?!\n)"},
+        description="With task_runner `dask`: the address of a running Dask scheduler (e.g. `tcp://10.0.0.5:8786`); "
+        "null (None): a temporary local cluster, started for the run and stopped after its rounds.")
+    dask_workers: int | None = Field(
+        None, ge=1, description="With task_runner `dask` and no dask_address: worker processes of the temporary "
+        "cluster; null (None): Dask's default (one per core or so).")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Sampling and rewards.")
     trainer: StepTrainerSettings = Field(default_factory=StepTrainerSettings,
                                          description="Settings of the training step.")
@@ -295,6 +307,17 @@ class GrpoSettings(RunSettings):
         if v is None:
             raise ValueError("GRPO samples its rollouts from an inference deployment: name its block")
         return v
+
+    @model_validator(mode="after")
+    def _dask(self) -> GrpoSettings:
+        if self.task_runner != "dask":
+            for name in ("dask_address", "dask_workers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only with task_runner dask (task_runner is {self.task_runner})")
+        elif self.dask_address is not None and self.dask_workers is not None:
+            raise ValueError("dask_workers: sizes the temporary cluster; the cluster at dask_address has its own "
+                             "workers (give one or the other)")
+        return self
 
 
 def run_suffix(flow_run_id: object) -> str:

@@ -10,6 +10,8 @@ so a retried shard either finds it complete or writes it anew.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -78,6 +80,7 @@ class ShardResult(BaseModel):
     policy_version: int
     snapshot_identity: str | None = None
     seconds: float
+    worker: str | None = None  # the process that ran the shard, "host:pid"
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -125,7 +128,7 @@ def run_shard(spec: ShardSpec, settings: RolloutSettings, client: CompletionsCli
         advantage_abs_mean=statistics.fmean(abs(a) for a in advantages) if advantages else 0.0,
         policy_version=spec.policy_version,
         snapshot_identity=spec.identity if spec.identity is not None else _single(identities),
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, worker=f"{socket.gethostname()}:{os.getpid()}",
     )
 
 

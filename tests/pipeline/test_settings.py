@@ -44,6 +44,46 @@ def test_grpo_needs_an_inference_deployment_and_a_valid_step():
     assert GrpoSettings(**BASE).trainer.learning_rate == 1e-6  # step mode needs no settings: TRL's defaults
 
 
+GRPO = {**BASE, "run_name": "grpo", "inference": "posttrain-inference-deployment/default"}
+
+
+def test_grpo_shards_run_on_threads_or_on_dask():
+    assert GrpoSettings(**GRPO).task_runner == "threads"
+    dask = GrpoSettings(**GRPO, task_runner="dask", dask_address="tcp://10.0.0.5:8786")
+    assert dask.dask_address == "tcp://10.0.0.5:8786" and dask.dask_workers is None
+    assert GrpoSettings(**GRPO, task_runner="dask", dask_workers=4).dask_workers == 4
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"task_runner": "ray"}, "'threads' or 'dask'"),
+    ({"dask_address": "tcp://10.0.0.5:8786"}, "dask_address: only with task_runner dask"),
+    ({"dask_workers": 2}, "dask_workers: only with task_runner dask"),
+    ({"task_runner": "dask", "dask_address": "10.0.0.5:8786"}, "pattern"),  # no protocol
+    ({"task_runner": "dask", "dask_address": "tcp://10.0.0.5:8786\n"}, "pattern"),
+    ({"task_runner": "dask", "dask_workers": 0}, "greater than or equal to 1"),
+    ({"task_runner": "dask", "dask_address": "tcp://h:8786", "dask_workers": 2}, "one or the other"),
+])
+def test_grpo_dask_settings_are_checked(changes, message):
+    with pytest.raises(ValidationError, match=message):
+        GrpoSettings(**GRPO, **changes)
+
+
+def test_the_shard_runner_is_the_flows_own_or_a_dask_one():
+    from prefect_dask import DaskTaskRunner
+
+    from posttrain.pipeline.tasks.rollouts import shard_runner
+
+    with shard_runner("threads") as runner:
+        assert runner is None  # the flow's task runner: rollout_shard_task.map as before
+    # Neither connects nor starts a cluster before the first shard is submitted.
+    with shard_runner("dask", dask_address="tcp://127.0.0.1:8786") as runner:
+        assert isinstance(runner, DaskTaskRunner) and runner.address == "tcp://127.0.0.1:8786"
+        assert runner._client is None  # noqa: SLF001
+    with shard_runner("dask", dask_workers=3) as runner:
+        assert runner.address is None and runner.cluster_kwargs["n_workers"] == 3
+        assert runner.cluster_kwargs["processes"] is True
+
+
 def test_for_flow_run_gives_each_run_its_own_name():
     s = NightlySettings(**BASE, trainer=TRAINER)
     a, b = s.for_flow_run("0729d8b7-1111-2222"), s.for_flow_run("ffee0000-1111-2222")

@@ -1,5 +1,7 @@
 """The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
-from the deployment as concurrent subflows, then trains one step on the cluster.
+from the deployment as concurrent subflows, then trains one step on the cluster. The shards run on
+the flow's own task runner (threads in its process) or, with ``task_runner: dask``, on a Dask
+cluster (``shard_runner``; docs/prefect.md).
 
 Training (``trainer_job``): ``resident`` (the default) submits one trainer job for the whole run
 (``mode: resident``), which loads the policy and its optimizer once; each round's rollouts are handed
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow, get_run_logger, unmapped
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
@@ -37,7 +39,7 @@ from posttrain.pipeline.tasks.report import (
     size_column,
     training_metrics,
 )
-from posttrain.pipeline.tasks.rollouts import rollout_shard_task
+from posttrain.pipeline.tasks.rollouts import map_shards, shard_runner
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import JOB_MARKER, ResidentJob, cancel_submitted, train_step
 from posttrain.rollouts.format import load_rollouts
@@ -83,54 +85,54 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
         resident = ResidentJob(settings.cluster, settings.run_name, trainer, run_dir,
                                poll_interval=settings.watch_poll_s, card=card)
         training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
-    for r in range(settings.rounds):
-        t0 = time.perf_counter()
-        if resident is not None and (resident.trained(r) or resident.sampled(r)):
-            # A retried flow run: the round was sampled (and maybe trained) by an earlier attempt.
-            current = resume_round(resident, r, table, logger, t0)
-            round_table(card, table, resident.trainer)
-            continue
-        with clock.wait("publish"):
-            snapshot = publish_weights(current, r, settings)
-        t_pub = time.perf_counter() - t0
-        with clock.wait("hot-load"):
-            loaded = hot_load(snapshot, settings) if settings.inference else None
-        t_load = time.perf_counter() - t0 - t_pub
-        round_dir = run_dir / "rounds" / f"{r:04d}"
-        # The shards check that every reply comes from this snapshot: what was hot-loaded (a full
-        # snapshot when a delta fell back), else what was published.
-        identity = loaded.identity if loaded else snapshot.identity
-        specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
-                            policy_version=r, round_dir=round_dir, identity=identity)
-        tokenizer_dir = settings.base_model if settings.lora.use_lora else current  # LoRA keeps the tokenizer
-        with clock.wait("sampling"):
-            futures = rollout_shard_task.map(specs, unmapped(settings.rollout), unmapped(settings.inference),
-                                             unmapped(tokenizer_dir))
-            shards = futures.result()
-            rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
-        n, mean, std, spread = pooled_rewards(shards)
-        if resident is not None:
-            resident.hand(r, r)
-            current = str(resident.wait(r).path)
-            trainer = resident.trainer
-            logger.info("round %d: trained by the resident job at %s", r, current)
-        else:
-            trainer = step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts)
-            if r == 0:
-                training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
-            current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
-                                 card=card)
-        table.append({
-            "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
-            "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
-            "kind": snapshot.kind, "delta % of full": size_column(snapshot),
-            "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
-            "round s": round(time.perf_counter() - t0, 2),
-        })
-        round_table(card, table, trainer)
-        events.round_finished(settings.run_name, r, n, mean, std, identity)
-        reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
-        logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
+    # The shards' task runner (docs/prefect.md): the flow's own (threads), or Dask's for the run's rounds.
+    with shard_runner(settings.task_runner, settings.dask_address, settings.dask_workers) as runner:
+        for r in range(settings.rounds):
+            t0 = time.perf_counter()
+            if resident is not None and (resident.trained(r) or resident.sampled(r)):
+                # A retried flow run: the round was sampled (and maybe trained) by an earlier attempt.
+                current = resume_round(resident, r, table, logger, t0)
+                round_table(card, table, resident.trainer)
+                continue
+            with clock.wait("publish"):
+                snapshot = publish_weights(current, r, settings)
+            t_pub = time.perf_counter() - t0
+            with clock.wait("hot-load"):
+                loaded = hot_load(snapshot, settings) if settings.inference else None
+            t_load = time.perf_counter() - t0 - t_pub
+            round_dir = run_dir / "rounds" / f"{r:04d}"
+            # The shards check that every reply comes from this snapshot: what was hot-loaded (a full
+            # snapshot when a delta fell back), else what was published.
+            identity = loaded.identity if loaded else snapshot.identity
+            specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
+                                policy_version=r, round_dir=round_dir, identity=identity)
+            tokenizer_dir = settings.base_model if settings.lora.use_lora else current  # LoRA keeps the tokenizer
+            with clock.wait("sampling"):
+                shards = map_shards(runner, specs, settings.rollout, settings.inference, tokenizer_dir).result()
+                rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
+            n, mean, std, spread = pooled_rewards(shards)
+            if resident is not None:
+                resident.hand(r, r)
+                current = str(resident.wait(r).path)
+                trainer = resident.trainer
+                logger.info("round %d: trained by the resident job at %s", r, current)
+            else:
+                trainer = step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts)
+                if r == 0:
+                    training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
+                current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
+                                     card=card)
+            table.append({
+                "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
+                "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
+                "kind": snapshot.kind, "delta % of full": size_column(snapshot),
+                "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
+                "round s": round(time.perf_counter() - t0, 2),
+            })
+            round_table(card, table, trainer)
+            events.round_finished(settings.run_name, r, n, mean, std, identity)
+            reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
+            logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
     if resident is not None:
         resident.finish()  # the job's end: it completed after the last round, or the run fails with its reason
     with clock.wait("publish"):

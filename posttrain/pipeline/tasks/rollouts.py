@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, task, unmapped
 from prefect.client.orchestration import PrefectClient
 from prefect.context import AsyncClientContext, SyncClientContext
+from prefect.futures import PrefectFutureList
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 from prefect.tasks import exponential_backoff
 from prefect.utilities.asyncutils import run_coro_as_sync
@@ -47,9 +49,9 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
         result = run_shard(spec, settings, client, tokenizer)
     finally:
         client.close()
-    get_run_logger().info("shard %d of round %d: %d samples, reward %.3f ± %.3f (policy v%d, snapshot %s)",
+    get_run_logger().info("shard %d of round %d: %d samples, reward %.3f ± %.3f (policy v%d, snapshot %s; ran in %s)",
                           spec.shard, spec.round, result.samples, result.reward_mean, result.reward_std,
-                          result.policy_version, result.snapshot_identity or "unknown")
+                          result.policy_version, result.snapshot_identity or "unknown", result.worker)
     return result
 
 
@@ -124,3 +126,44 @@ rollout_shard_task = task(
     _rollout_shard, name="rollout-shard", retries=2, retry_delay_seconds=exponential_backoff(1),
     retry_condition_fn=transient_only, task_run_name="shard-{spec.shard}",
 )
+
+
+@contextmanager
+def shard_runner(task_runner: str, dask_address: str | None = None, dask_workers: int | None = None,
+                 ) -> Iterator[object | None]:
+    """Where a run's shards go, open for the run's rounds: None for ``threads`` (the flow's own task
+    runner, threads in the flow's process), else a started ``DaskTaskRunner`` of prefect-dask, on
+    the scheduler at ``dask_address`` or on a temporary local cluster of ``dask_workers`` worker
+    processes (started at the first round's shards, stopped on leaving).
+
+    A flow's task runner is fixed by its ``@flow`` decorator; the GRPO flow keeps the default and
+    maps the shards on this one instead. Each shard task is pickled to a Dask worker with the flow
+    run's context (the API's settings, the parent flow run): it loads the inference block by name,
+    opens its own API client, and takes the subflow-start turns of its own process (``TURNS``).
+    Prefect retries a failing shard inside its Dask task, on the same worker, alone."""
+    if task_runner == "threads":
+        yield None
+        return
+    from prefect_dask import DaskTaskRunner
+
+    if dask_address:
+        runner = DaskTaskRunner(address=dask_address)
+    else:
+        # Worker processes (Dask's default), so that a CPU-bound reward function of one shard does
+        # not hold the GIL of another; no dashboard on a fixed port (":0": a free one, logged).
+        cluster = {"processes": True, "dashboard_address": ":0"}
+        if dask_workers:
+            cluster["n_workers"] = dask_workers
+        runner = DaskTaskRunner(cluster_kwargs=cluster)
+    with runner:
+        yield runner
+
+
+def map_shards(runner, specs: list[ShardSpec], settings: RolloutSettings, inference: str | None,
+               tokenizer_dir: str) -> PrefectFutureList:
+    """The round's shard tasks, one per spec, submitted at once: on the flow's task runner (``runner``
+    None) or on ``runner`` (``shard_runner``'s)."""
+    if runner is None:
+        return rollout_shard_task.map(specs, unmapped(settings), unmapped(inference), unmapped(tokenizer_dir))
+    return runner.map(rollout_shard_task, {"spec": specs, "settings": unmapped(settings),
+                                           "inference": unmapped(inference), "tokenizer_dir": unmapped(tokenizer_dir)})
