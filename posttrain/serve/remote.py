@@ -138,6 +138,9 @@ class RemoteEngine(ReplicaChecks):
                         self._suspect(replica, "it did not answer a request")
                         raise RequestError(503, f"{replica.name} did not answer ({e})",
                                            kind="ServiceUnavailableError") from None
+                    if e.status >= 500:  # the engine failing (restarting, crashed): the replica is checked again
+                        self._suspect(replica, f"it failed a request ({e.status})")
+                        raise RequestError(503, f"{replica.name}: {e}", kind="ServiceUnavailableError") from None
                     status = e.status if e.status and 400 <= e.status < 600 else 502
                     raise RequestError(status, f"{replica.name}: {e}") from None
                 label = reply.get("weight_version")

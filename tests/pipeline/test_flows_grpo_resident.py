@@ -166,7 +166,7 @@ def test_a_resident_job_that_ends_before_a_rounds_checkpoint_fails_the_run_with_
 
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("slurm_cluster")
-@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("nodes", [2])  # one node: the requeue test below runs a resident job on one
 def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, request):
     import subprocess
 

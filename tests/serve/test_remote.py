@@ -176,3 +176,20 @@ def test_a_replica_at_a_url_found_on_other_weights_is_put_back(versions):
             engine.complete({"model": "m", "prompt": [1, 2], "max_tokens": 1})
     finally:
         engine.close()
+
+
+def test_an_engine_failing_requests_is_a_503_and_its_replica_is_checked_again(versions):
+    """An engine answering 5xx (restarting, crashed) is not the client's error: 503, try again, and the
+    replica takes no request until it is checked and put back."""
+    from posttrain.serve.completions import RequestError
+
+    server = Server(versions["boot"])
+    engine = _engine(versions, [server], supervised=False)
+    server.broken = True
+    with pytest.raises(RequestError) as e:
+        engine.complete({"model": "m", "prompt": [[1, 2]], "max_tokens": 1})
+    assert (e.value.status, e.value.kind) == (503, "ServiceUnavailableError")
+    with pytest.raises(RequestError) as again:  # suspect: not asked until checked
+        engine.complete({"model": "m", "prompt": [[1, 2]], "max_tokens": 1})
+    assert again.value.status == 503
+    engine.close()
