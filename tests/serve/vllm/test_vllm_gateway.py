@@ -244,6 +244,7 @@ def test_a_vllm_at_a_url_restarted_on_its_launch_weights_is_never_stamped_and_is
     finally:
         if server is not None:
             server.shutdown()
+        engine.stop()  # "someone else's" engine: the gateway does not stop it (it leaked after the suite)
         engine.stop()
 
 
