@@ -261,3 +261,15 @@ def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeyp
     assert lines[-1]["completed"] and lines[-1]["rounds_done"] == 3, lines
     assert lines[-1]["resumed_from"] == str(run_dir / "policy" / "checkpoint-1"), lines
     assert tiny_setup.served_identity() == report.final_snapshot
+    # The run's goodput (issue 23: "a run with a requeue shows the lost time"): it adds up to the flow run's
+    # wall time, and the requeue's restart gap is counted as lost, not as training.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    from tests.pipeline.run_events import assert_goodput_adds_up
+
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+    seconds = assert_goodput_adds_up(flow_run_id, next(a for a in found if a.key == f"{run}-goodput"))
+    assert seconds["lost"] > 0 and seconds["training"] > 0, seconds
