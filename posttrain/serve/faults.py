@@ -40,10 +40,14 @@ class DropCreateReply(_Fault):
 
 
 class DelayHotLoad(_Fault):
-    """The next hot-load stays RUNNING ``seconds`` longer."""
+    """The next hot-load stays RUNNING ``seconds`` longer: before it fetches anything, or, with
+    ``after_fetched`` N, once it has fetched the first N snapshots of its chain (a reader half-way
+    through a chain, for tests of what may change in the store meanwhile)."""
 
     kind: Literal["delay_hotload"]
     seconds: float = Field(ge=0, le=600, description="Extra seconds the load takes.")
+    after_fetched: int = Field(0, ge=0, description="Pause after fetching this many snapshots of the chain "
+                               "(0: before fetching; more than the chain holds: after the whole chain).")
 
 
 class HttpError(_Fault):

@@ -285,7 +285,7 @@ class HotLoadService:
         self._set(op, STATE_RUNNING)
         self._set_replicas(REPLICA_LOADING, before.identity)
         delay = self.faults.take("delay_hotload")
-        if delay is not None:
+        if delay is not None and delay.after_fetched == 0:
             time.sleep(delay.seconds)
         view = self.work_dir / "views" / op.id
         out: Path | None = None
@@ -315,8 +315,10 @@ class HotLoadService:
             fetched = list(plan.snapshots)
             t = time.perf_counter()
             with stage("fetch"):
-                for identity in plan.snapshots:
+                for n, identity in enumerate(plan.snapshots, start=1):
                     self.source.fetch(identity)
+                    if delay is not None and n == min(delay.after_fetched, len(plan.snapshots)):
+                        time.sleep(delay.seconds)
             t = self._stage(op, "fetch", t)
             with stage("apply"):  # checksums are checked as the files are decoded: part of apply
                 self.source.view(plan, before.identity, before.path, view)
