@@ -37,6 +37,7 @@ from posttrain.inference.contract import HotLoader, HotLoadResult
 from posttrain.promote.decision import Decision, GateConfig, already_champion, decide, first_promotion
 from posttrain.promote.evaluate import EvalResult, EvalSettings, EvalStore, eval_digest, eval_rows, evaluate
 from posttrain.promote.history import History, Record
+from posttrain.redact import scrub
 from posttrain.rollouts.client import CompletionsClient
 from posttrain.storage import Store
 
@@ -149,7 +150,8 @@ def promote(*, store: Store, candidate: str, run: str | None, gate: GateConfig, 
         try:
             evals[side] = _eval_side(identity, staging, store, chosen, settings, digest, tokenizer, results, log=log)
         except Exception as e:  # noqa: BLE001 - an eval that fails refuses the candidate, saying why
-            evals[side], failures[side] = None, f"{type(e).__name__}: {e}".splitlines()[0]
+            # it goes into the history record and the event: a URL's credentials in it are masked
+            evals[side], failures[side] = None, scrub(f"{type(e).__name__}: {e}".splitlines()[0])
             log(f"the {side} {identity} could not be evaluated: {failures[side]}")
     cand, champ = evals.get("candidate"), evals.get("champion")
     if champion is None:

@@ -114,6 +114,23 @@ def test_an_eval_that_fails_is_a_refusal_that_says_which_side(chain, site, rows,
     assert served(prod_api) == {chain.d1}
 
 
+def test_an_eval_failure_names_no_credentials(chain, site, rows, tokenizer):
+    store, staging, production, (_, prod_api) = site
+
+    def completions():
+        raise ConnectionError("gateway http://eval-user:s3cret-PLANTED@10.0.0.9:8000/v1 refused the connection")
+
+    settings = EvalSettings(**greedy_eval())
+    refused = promote(store=store, candidate=chain.d1, run="nightly-test", rows=rows, dataset_digest="d" * 64,
+                      gate=GateConfig(samples_per_prompt=settings.samples_per_prompt), settings=settings,
+                      tokenizer=tokenizer, staging=Deployment("staging", staging.loader, completions),
+                      production=production)
+    assert not refused.promoted and "refused the connection" in refused.failures["candidate"]
+    stored = [r.model_dump_json() for r in History(store, "", "prod").records()]
+    assert stored and "s3cret-PLANTED" not in "".join(stored) + refused.record.reason
+    assert served(prod_api) == set()
+
+
 def test_rollback_to_any_identity_of_the_store_and_bad_input(chain, site, rows, tokenizer):
     store, _, production, (_, prod_api) = site
     with pytest.raises(PromotionError, match="--to previous: deployment prod has no earlier champion"):

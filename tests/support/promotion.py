@@ -52,6 +52,8 @@ def served_identities(api, deployment: str) -> set[str]:
     ``tests.support.serving.Api`` on its server), per its latest hot-load."""
     r = api.get("/v1alpha1/inference/hotLoads", params={"parentDeploymentId": deployment, "maxPageSize": 1})
     assert r.status_code == 200, r.text
+    if not r.json()["hotLoads"]:
+        return set()  # never hot-loaded: the boot weights
     op_id = r.json()["hotLoads"][0]["spec"]["id"]
     replicas = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"]
     return {x["currentSnapshotIdentity"] for x in replicas}
