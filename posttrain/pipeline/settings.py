@@ -82,7 +82,8 @@ def _for_mode(description: str, mode: str) -> bool:
 #: The nightly run's trainer (TRL's GRPOTrainer); a run must say how long and what it rewards.
 GrpoTrainerSettings = trainer_settings("grpo", required=("max_steps", "reward_funcs"))
 #: A GRPO round's training step; its temperature is the rollouts' (the logprobs must match the sampling).
-StepTrainerSettings = trainer_settings("step", exclude=frozenset({"temperature"}))
+#: Its max_staleness is the flow's own (GrpoSettings.max_staleness): the bound the rounds are sampled under.
+StepTrainerSettings = trainer_settings("step", exclude=frozenset({"temperature", "max_staleness"}))
 
 
 # Placeholders for what the flows fill in, to check the trainer settings as soon as they are given.
@@ -290,6 +291,11 @@ class GrpoSettings(RunSettings):
         "optimizer once and trains each round as the flow hands it its rollouts. per_round: a training job per "
         "round (loads both again each round), for clusters with a short job time limit or preemptible queues, "
         "where GPUs held idle between rounds cost more than reloading. docs/trainer.md.")
+    max_staleness: int = Field(
+        0, ge=0, le=16, description="Asynchronous rounds: round r may be sampled from a policy up to this many "
+        "versions older than the one that trains it, so rounds r+1 .. r+k are sampled while round r trains; "
+        "sampling waits (drops nothing) at the bound, and the trainer never trains on older rollouts. 0: "
+        "synchronous rounds, each sampled from the policy the round before trained. resident only. docs/trainer.md.")
     round_timeout_s: float = Field(
         1800.0, gt=0, description="resident: seconds the trainer waits for a round's rollouts before its job ends "
         "(a flow run that failed has this long to be retried and find its job waiting).")
@@ -307,6 +313,13 @@ class GrpoSettings(RunSettings):
         if v is None:
             raise ValueError("GRPO samples its rollouts from an inference deployment: name its block")
         return v
+
+    @model_validator(mode="after")
+    def _staleness(self) -> GrpoSettings:
+        if self.max_staleness and self.trainer_job != "resident":
+            raise ValueError(f"max_staleness: asynchronous rounds need trainer_job resident (trainer_job is "
+                             f"{self.trainer_job}: each round's job starts from the round before's checkpoint)")
+        return self
 
     @model_validator(mode="after")
     def _dask(self) -> GrpoSettings:

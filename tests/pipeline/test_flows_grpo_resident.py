@@ -72,6 +72,54 @@ def test_a_resident_grpo_run_is_one_training_job(tiny_setup):
     assert min(seconds["sampling"], seconds["training"], seconds["startup"]) > 0, seconds
 
 
+@pytest.mark.timeout(480)
+def test_asynchronous_rounds_sample_ahead_within_the_bound(tiny_setup):
+    """max_staleness 2, six rounds: rounds are sampled while earlier ones train, never from a policy
+    more than 2 versions behind, and nothing is dropped; each shard names one snapshot, the one
+    published of the policy version its rollouts record."""
+    from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.rollouts.format import load_rollouts
+
+    k, rounds = 2, 6
+    state = grpo(**tiny_setup.grpo_settings("flows-grpo-async", rounds=rounds, shards=2, max_staleness=k),
+                 return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    run_dir = tiny_setup.shared_dir / "runs" / report.run_name
+    job = JobRecord.model_validate_json((run_dir / "training-job.json").read_text())
+    assert len(job_folders(tiny_setup, job.name)) == 1  # six rounds, one job
+    assert checkpoints(run_dir) == [f"checkpoint-{n}" for n in range(1, rounds + 1)]
+    published = {}  # policy version -> snapshot identity published of it
+    for row in report.rounds:
+        published.setdefault(row["policy version"], row["snapshot"])
+        assert published[row["policy version"]] == row["snapshot"]  # one version, one snapshot
+    stale = []
+    for r in range(rounds):
+        folder = run_dir / "rounds" / f"{r:04d}"
+        ready = json.loads((folder / "ready.json").read_text())
+        (version,) = ready["policy_versions"]
+        assert r - k <= version <= r, (r, version)  # never older than the bound
+        stale.append(r - version)
+        if version > 0:  # sampled only once the round that wrote that version was trained
+            ckpt = run_dir / "policy" / f"checkpoint-{version}" / "trainer_state.json"
+            assert ckpt.stat().st_mtime <= (folder / "rollouts.jsonl").stat().st_mtime
+        for shard in sorted(folder.glob("shard-*.jsonl")):
+            rollouts = load_rollouts(shard)[0]
+            assert {x.snapshot_identity for x in rollouts} == {published[version]}, shard
+            assert {x.policy_version for x in rollouts} == {version}
+    assert max(stale) > 0, stale  # rounds were sampled ahead of training
+    assert [row["staleness"] for row in report.rounds] == stale
+    # The trainer trained every round on all of its rollouts, none older than the bound.
+    (results,) = sorted((run_dir / "policy" / ".posttrain").glob("*.results.jsonl"))
+    (result,) = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    assert result["completed"] and result["rounds_done"] == rounds
+    for n in range(1, rounds + 1):
+        state_file = json.loads((run_dir / "policy" / f"checkpoint-{n}" / "trainer_state.json").read_text())
+        assert state_file["rollouts_dropped_stale"] == 0 and state_file["rollouts_used"] > 0, state_file
+        assert state_file["metrics"]["staleness_max"] <= k, state_file
+    assert tiny_setup.served_identity() == report.final_snapshot
+
+
 def mtimes(paths) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in paths}
 
@@ -119,7 +167,7 @@ def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(pr
     assert shards.count("round-2-shard-0") >= 2, shards  # failed in the first attempt, then sampled again
     logs = flow_run_logs(flow_run_id)
     assert any(f"training job {job.job_id} was submitted before" in m for m in logs), logs
-    assert any("round 1: trained by an earlier attempt" in m for m in logs), logs
+    assert any("round 1: sampled by an earlier attempt" in m for m in logs), logs
     assert [t.name for t in task_runs(flow_run_id)].count("publish-step-3") == 1
     assert tiny_setup.served_identity().startswith("step-00000003-")
 

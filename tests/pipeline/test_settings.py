@@ -68,6 +68,16 @@ def test_grpo_dask_settings_are_checked(changes, message):
         GrpoSettings(**GRPO, **changes)
 
 
+def test_asynchronous_rounds_are_the_flows_max_staleness_for_a_resident_trainer():
+    assert GrpoSettings(**GRPO).max_staleness == 0  # synchronous rounds unless asked
+    assert GrpoSettings(**GRPO, max_staleness=2).max_staleness == 2
+    assert "max_staleness" not in GrpoSettings.model_fields["trainer"].annotation.model_fields  # one knob
+    with pytest.raises(ValidationError, match="max_staleness: asynchronous rounds need trainer_job resident"):
+        GrpoSettings(**GRPO, max_staleness=1, trainer_job="per_round")
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        GrpoSettings(**GRPO, max_staleness=-1)
+
+
 def test_the_shard_runner_is_the_flows_own_or_a_dask_one():
     from prefect_dask import DaskTaskRunner
 

@@ -19,6 +19,7 @@ and the policy published is the base with the adapter merged into it."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -41,10 +42,13 @@ from posttrain.pipeline.tasks.report import (
 )
 from posttrain.pipeline.tasks.rollouts import map_shards, shard_runner
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import JOB_MARKER, ResidentJob, cancel_submitted, train_step
+from posttrain.pipeline.tasks.training import JOB_MARKER, cancel_submitted, resident_run, train_step
+from posttrain.publish.publisher import PublishedSnapshot
 from posttrain.rollouts.format import load_rollouts
 from posttrain.rollouts.rounds import pooled_rewards, shard_specs
 from posttrain.rollouts.shard import merge_rollouts
+from posttrain.runs.resident import ResidentRun
+from posttrain.trainer.rounds import start_position
 
 
 class GrpoReport(BaseModel):
@@ -75,66 +79,11 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     check_reward_funcs(settings.rollout.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     rows = read_staged_rows(staged.manifest_path)
-    current = settings.base_model
     table: list[dict] = []
-    resident = None
-    if settings.trainer_job == "resident":  # one job for every round, submitted (or found) once
-        trainer = step_trainer(settings, mode="resident", model_name_or_path=settings.base_model,
-                               rounds_dir=run_dir / "rounds", rounds=settings.rounds,
-                               round_timeout_s=settings.round_timeout_s)
-        resident = ResidentJob(settings.cluster, settings.run_name, trainer, run_dir,
-                               poll_interval=settings.watch_poll_s, card=card)
-        training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
-    # The shards' task runner (docs/prefect.md): the flow's own (threads), or Dask's for the run's rounds.
-    with shard_runner(settings.task_runner, settings.dask_address, settings.dask_workers) as runner:
-        for r in range(settings.rounds):
-            t0 = time.perf_counter()
-            if resident is not None and (resident.trained(r) or resident.sampled(r)):
-                # A retried flow run: the round was sampled (and maybe trained) by an earlier attempt.
-                current = resume_round(resident, r, table, logger, t0)
-                round_table(card, table, resident.trainer)
-                continue
-            with clock.wait("publish"):
-                snapshot = publish_weights(current, r, settings)
-            t_pub = time.perf_counter() - t0
-            with clock.wait("hot-load"):
-                loaded = hot_load(snapshot, settings) if settings.inference else None
-            t_load = time.perf_counter() - t0 - t_pub
-            round_dir = run_dir / "rounds" / f"{r:04d}"
-            # The shards check that every reply comes from this snapshot: what was hot-loaded (a full
-            # snapshot when a delta fell back), else what was published.
-            identity = loaded.identity if loaded else snapshot.identity
-            specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
-                                policy_version=r, round_dir=round_dir, identity=identity)
-            tokenizer_dir = settings.base_model if settings.lora.use_lora else current  # LoRA keeps the tokenizer
-            with clock.wait("sampling"):
-                shards = map_shards(runner, specs, settings.rollout, settings.inference, tokenizer_dir).result()
-                rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
-            n, mean, std, spread = pooled_rewards(shards)
-            if resident is not None:
-                resident.hand(r, r)
-                current = str(resident.wait(r).path)
-                trainer = resident.trainer
-                logger.info("round %d: trained by the resident job at %s", r, current)
-            else:
-                trainer = step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts)
-                if r == 0:
-                    training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
-                current = train_step(settings.cluster, settings.run_name, r, trainer, str(round_dir / "train-job.json"),
-                                     card=card)
-            table.append({
-                "round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
-                "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": snapshot.identity,
-                "kind": snapshot.kind, "delta % of full": size_column(snapshot),
-                "publish s": round(t_pub, 2), "hot-load s": round(t_load, 2) if loaded else None,
-                "round s": round(time.perf_counter() - t0, 2),
-            })
-            round_table(card, table, trainer)
-            events.round_finished(settings.run_name, r, n, mean, std, identity)
-            reward_curve(card, [row["reward mean"] for row in table], [row["reward std"] for row in table])
-            logger.info("round %d: reward %.3f over %d samples; next policy %s", r, mean, n, current)
-    if resident is not None:
-        resident.finish()  # the job's end: it completed after the last round, or the run fails with its reason
+    if settings.trainer_job == "resident":
+        current = resident_rounds(settings, rows, clock, table, card)
+    else:
+        current = per_round_jobs(settings, rows, clock, table, card)
     with clock.wait("publish"):
         final = publish_weights(current, settings.rounds, settings)
     if settings.inference:
@@ -142,7 +91,8 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
             hot_load(final, settings)
     svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
-    jobs = [run_dir / JOB_MARKER] if resident is not None else sorted(run_dir.glob("rounds/*/train-job.json"))
+    resident = settings.trainer_job == "resident"
+    jobs = [run_dir / JOB_MARKER] if resident else sorted(run_dir.glob("rounds/*/train-job.json"))
     report_goodput(card, settings.run_name, clock, jobs)
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
                       final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir),
@@ -159,25 +109,124 @@ def step_trainer(settings: GrpoSettings, **filled):
                           run_name=settings.run_name, **filled)
 
 
-def resume_round(resident: ResidentJob, r: int, table: list[dict], logger, t0: float) -> str:
-    """A round an earlier attempt of the flow run sampled: hand it again unless it trained, wait for
-    its checkpoint, add its row (its rewards read back from its rollouts); the round's policy."""
-    done = resident.trained(r)
-    if done is None:
-        logger.info("round %d: rollouts written by an earlier attempt; handing them again", r)
-        resident.hand(r, r)
-        done = resident.wait(r)
-    else:
-        logger.info("round %d: trained by an earlier attempt (%s); not sampled again", r, done.path)
-    folder = resident.rounds_dir / f"{r:04d}"
-    rollouts = load_rollouts(folder / "rollouts.jsonl")[0] if resident.sampled(r) else []
+@dataclass(frozen=True)
+class Served:
+    """What the deployment serves for the rounds: the snapshot published of policy ``step`` and the
+    identity hot-loaded (a full snapshot when a delta fell back)."""
+
+    step: int
+    snapshot: PublishedSnapshot
+    identity: str
+
+
+def serve_policy(settings: GrpoSettings, policy: str, step: int, clock: FlowClock, served: Served | None) -> Served:
+    """Publish ``policy`` as ``step`` and hot-load it, unless ``served`` is that step already (asynchronous
+    rounds sample several rounds from one policy: published and hot-loaded once)."""
+    if served is not None and served.step == step:
+        return served
+    with clock.wait("publish"):
+        snapshot = publish_weights(policy, step, settings)
+    with clock.wait("hot-load"):
+        loaded = hot_load(snapshot, settings)
+    return Served(step, snapshot, loaded.identity)
+
+
+def sample_round(settings: GrpoSettings, runner, rows: list[dict], r: int, tokenizer_dir: str, version: int,
+                 served: Served, clock: FlowClock) -> tuple[dict, str]:
+    """Sample round ``r`` from what the deployment serves (``served``), its rollouts recorded as policy
+    ``version``; (the round's table row, its merged rollouts file)."""
+    round_dir = settings.run_dir / "rounds" / f"{r:04d}"
+    # The shards check that every reply comes from the served snapshot; no hot-load happens while a
+    # round samples, so each shard's replies come from the one snapshot it names.
+    specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
+                        policy_version=version, round_dir=round_dir, identity=served.identity)
+    if settings.lora.use_lora:
+        tokenizer_dir = settings.base_model  # LoRA keeps the base's tokenizer
+    t0 = time.perf_counter()
+    with clock.wait("sampling"):
+        shards = map_shards(runner, specs, settings.rollout, settings.inference, tokenizer_dir).result()
+        rollouts = merge_rollouts([s.path for s in shards], round_dir / "rollouts.jsonl")
+    n, mean, std, spread = pooled_rewards(shards)
+    events.round_finished(settings.run_name, r, n, mean, std, served.identity)
+    row = {"round": r, "policy version": version, "samples": n, "reward mean": round(mean, 4),
+           "reward std": round(std, 4), "shard spread": round(spread, 4), "snapshot": served.snapshot.identity,
+           "kind": served.snapshot.kind, "delta % of full": size_column(served.snapshot),
+           "sample s": round(time.perf_counter() - t0, 2)}
+    return row, rollouts
+
+
+def per_round_jobs(settings: GrpoSettings, rows: list[dict], clock: FlowClock, table: list[dict], card: str) -> str:
+    """``trainer_job: per_round``: sample a round, train it in a step job of its own, and so on; the last policy."""
+    logger = get_run_logger()
+    current, v0 = settings.base_model, start_position(settings.base_model)[1]
+    with shard_runner(settings.task_runner, settings.dask_address, settings.dask_workers) as runner:
+        for r in range(settings.rounds):
+            t0 = time.perf_counter()
+            served = serve_policy(settings, current, r, clock, None)
+            t_serve = time.perf_counter() - t0
+            row, rollouts = sample_round(settings, runner, rows, r, current, v0 + r, served, clock)
+            trainer = step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts,
+                                   max_staleness=0)
+            if r == 0:
+                training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
+            current = train_step(settings.cluster, settings.run_name, r, trainer,
+                                 str(settings.run_dir / "rounds" / f"{r:04d}" / "train-job.json"), card=card)
+            table.append(row | {"publish + hot-load s": round(t_serve, 2), "round s": round(time.perf_counter() - t0, 2)})
+            round_table(card, table, trainer)
+            reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table])
+            logger.info("round %d: reward %.3f; next policy %s", r, row["reward mean"], current)
+    return current
+
+
+def resident_rounds(settings: GrpoSettings, rows: list[dict], clock: FlowClock, table: list[dict], card: str) -> str:
+    """``trainer_job: resident``: one job trains every round (``posttrain.runs.resident``). Round r is
+    sampled from the newest policy at most ``max_staleness`` versions behind it (waiting for the
+    trainer at the bound), then handed to the job; the last policy. A retried flow run hands again
+    the rounds an earlier attempt sampled (their rollouts are not sampled again)."""
+    logger = get_run_logger()
+    k = settings.max_staleness
+    trainer = step_trainer(settings, mode="resident", model_name_or_path=settings.base_model,
+                           rounds_dir=settings.run_dir / "rounds", rounds=settings.rounds,
+                           round_timeout_s=settings.round_timeout_s, max_staleness=k)
+    job = resident_run(settings.cluster, settings.run_name, trainer, settings.run_dir,
+                       poll_interval=settings.watch_poll_s, card=card)
+    training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
+    served: Served | None = None
+    with shard_runner(settings.task_runner, settings.dask_address, settings.dask_workers) as runner:
+        for r in range(settings.rounds):
+            t0 = time.perf_counter()
+            if job.sampled(r):  # a retried flow run: an earlier attempt sampled it (and maybe it trained)
+                logger.info("round %d: sampled by an earlier attempt; handed again, not sampled again", r)
+                row, versions = resumed_row(job, r)
+                job.hand(r, versions)
+                table.append(row)
+                continue
+            policy = job.policy_for(r, k, waiting=lambda r=r: logger.info(  # the job's timeline counts this time
+                "round %d: waiting for the trainer (max_staleness %d)", r, k))
+            t_wait = time.perf_counter() - t0
+            served = serve_policy(settings, policy.path, policy.version, clock, served)
+            t_serve = time.perf_counter() - t0 - t_wait
+            row, _ = sample_round(settings, runner, rows, r, policy.path, job.recorded_version(policy), served, clock)
+            job.hand(r, job.recorded_version(policy))
+            table.append(row | {"staleness": r - policy.version, "wait s": round(t_wait, 2),
+                                "publish + hot-load s": round(t_serve, 2), "round s": round(time.perf_counter() - t0, 2)})
+            round_table(card, table, trainer)
+            reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table])
+            logger.info("round %d: reward %.3f, sampled from policy version %d; handed to the trainer", r,
+                        row["reward mean"], job.recorded_version(policy))
+    last, _ = job.finish(settings.rounds)  # every round's checkpoint, then the job's end (or its reason)
+    return last.path
+
+
+def resumed_row(job: ResidentRun, r: int) -> tuple[dict, list[int]]:
+    """The table row of a round an earlier attempt sampled, its rewards and snapshot read back from its
+    rollouts; and the policy versions that sampled them."""
+    rollouts = load_rollouts(job.rounds_dir / f"{r:04d}" / "rollouts.jsonl")[0]
     rewards = [x.reward for x in rollouts]
-    identity = next((x.snapshot_identity for x in rollouts if x.snapshot_identity), "")  # what sampled them
     n = len(rewards)
     mean = sum(rewards) / n if n else 0.0
     std = (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5 if n else 0.0
-    table.append({"round": r, "policy version": r, "samples": n, "reward mean": round(mean, 4),
-                  "reward std": round(std, 4), "shard spread": None, "snapshot": identity, "kind": None,
-                  "delta % of full": None, "publish s": None, "hot-load s": None,
-                  "round s": round(time.perf_counter() - t0, 2), "resumed": True})
-    return str(done.path)
+    identity = next((x.snapshot_identity for x in rollouts if x.snapshot_identity), "")
+    versions = sorted({x.policy_version for x in rollouts}) or [job.start_version + r]
+    return ({"round": r, "policy version": versions[0], "samples": n, "reward mean": round(mean, 4),
+             "reward std": round(std, 4), "shard spread": None, "snapshot": identity, "resumed": True}, versions)

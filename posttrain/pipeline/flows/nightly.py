@@ -25,8 +25,7 @@ from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table, training_metrics
 from posttrain.pipeline.tasks.retention import collect_garbage
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import cancel_submitted, submit, watch_job
-from posttrain.runs.once import completed_result, handled_before
+from posttrain.pipeline.tasks.training import cancel_submitted, run_job
 
 
 def snapshot_row(step: int, snapshot) -> dict:
@@ -68,20 +67,19 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     trainer = trainer_config(settings.trainer, settings.lora, mode="grpo", model_name_or_path=settings.base_model,
                              output_dir=run_dir / "output", dataset_manifest=staged.manifest_path,
                              logging_dir=run_dir / "tensorboard", run_name=settings.run_name)
-    job = submit(settings.cluster, settings.run_name, trainer, str(run_dir / "training-job.json"), card=card)
+    job = run_job(settings.cluster, settings.run_name, trainer, run_dir, poll_interval=settings.watch_poll_s, card=card)
     training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
     total = trainer.max_steps or 1
     progress = progress_artifact(card)  # a retried run goes on with the progress artifact of its first attempt
     rows = []
-    cursor_path = run_dir / "watch-cursor.json"
     # A retried run: what an earlier attempt handled goes into this run's report too. Publishing it
     # again finds it published (uploads nothing); it is not hot-loaded again.
-    for ckpt in handled_before(job, cursor_path):
+    for ckpt in job.handled_before():
         with clock.wait("publish"):
             snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
         rows.append(snapshot_row(ckpt.step, snapshot)
                     | ({"hot-load s": None, "served": snapshot.identity} if settings.inference else {}))
-    for ckpt in watch_job(job, settings.cluster, cursor_path, settings.watch_poll_s):
+    for ckpt in job.checkpoints():
         with clock.wait("publish"):  # counts only where the job is not running (docs/goodput.md)
             snapshot = publish_weights(str(ckpt.path), ckpt.step, settings)
         row = snapshot_row(ckpt.step, snapshot)
@@ -92,7 +90,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
             row["served"] = loaded.identity
         rows.append(row)
         update_progress_artifact(progress, min(100.0, 100.0 * ckpt.step / total))
-    result = completed_result(job)
+    result = job.result()
     update_progress_artifact(progress, 100.0)
     snapshots_table(card, rows, trainer)
     logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
@@ -105,8 +103,8 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
         served_by = [ref for ref in (settings.inference, settings.promote_to) if ref]  # staging and production
         collect_garbage(settings.store, settings.gc, [], inference=served_by, card=card)
 
-    report_goodput(card, settings.run_name, clock, [job])  # last: it measures the run up to here
-    return NightlyReport(run_name=settings.run_name, job_id=job.job_id, checkpoints=len(rows), snapshots=rows,
+    report_goodput(card, settings.run_name, clock, [job.record])  # last: it measures the run up to here
+    return NightlyReport(run_name=settings.run_name, job_id=job.record.job_id, checkpoints=len(rows), snapshots=rows,
                          final_step=result.global_step, run_dir=str(run_dir),
                          promotion=promotion.model_dump() if promotion else None,
                          tensorboard_dir=str(trainer.tensorboard_dir) if "tensorboard" in trainer.report_to else None)
