@@ -115,11 +115,13 @@ class ResidentRun(RunJob):
     whichever attempt of the pipeline handed it."""
 
     def __init__(self, record: JobRecord, cluster: ClusterConfig | None, trainer: TrainerConfig, *,
-                 cursor_path: Path, poll_interval: float, on_end: OnEnd | None = None) -> None:
+                 cursor_path: Path, poll_interval: float, on_end: OnEnd | None = None,
+                 rounds_dir: Path | None = None) -> None:
+        """``rounds_dir``: where this machine sees ``trainer.rounds_dir`` (default: the same path)."""
         assert trainer.mode == "resident" and trainer.rounds_dir is not None and trainer.rounds is not None
         super().__init__(record, cluster, cursor_path=cursor_path, poll_interval=poll_interval, on_end=on_end)
         self.trainer = trainer
-        self.rounds_dir = Path(trainer.rounds_dir)
+        self.rounds_dir = Path(rounds_dir or trainer.rounds_dir)
         self.start_step, self.start_version = start_position(trainer.model_name_or_path)
         self._watch = self.checkpoints()
         self._newest = Policy(0, str(trainer.model_name_or_path))
