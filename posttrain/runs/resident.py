@@ -28,6 +28,7 @@ from posttrain.runs.once import (
     checkpoints_to_handle,
     completed_result,
     handled_before,
+    job_ended,
     live_run,
 )
 from posttrain.trainer.checkpoints import CheckpointInfo, try_inspect
@@ -99,6 +100,19 @@ class RunJob:
     def cancel(self) -> str:
         """Stop the job (``once.cancel_job``); what was done, in words."""
         return cancel_job(self.record, self.cluster)
+
+
+def ended_unfinished(record: JobRecord, cluster: ClusterConfig | None) -> str | None:
+    """Why a job found by its marker ended without completing (it failed, was cancelled, or a
+    resident trainer timed out waiting for a round while its flow run was down); None while it runs
+    or once it completed. A pipeline submits such a job again: it resumes from its last checkpoint."""
+    if not job_ended(record, cluster):
+        return None
+    try:
+        completed_result(record)
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 @dataclass(frozen=True)

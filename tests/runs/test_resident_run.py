@@ -120,3 +120,17 @@ def test_finish_waits_for_every_round_then_the_jobs_result(tmp_path, make_checkp
     policy, result = job.finish(2)
     assert policy == Policy(2, str(tmp_path / "policy" / "checkpoint-2"))
     assert result.completed and result.rounds_done == 2 and ended == [("completed", None)]
+
+
+def test_a_job_found_ended_without_completing_is_to_be_submitted_again(tmp_path):
+    from posttrain.runs.job import results_path
+    from posttrain.runs.resident import ended_unfinished
+
+    running = resident(tmp_path).record
+    assert ended_unfinished(running, None) is None  # its process group lives: follow it
+    gone = resident(tmp_path, alive=False).record  # it timed out waiting for a round, say
+    assert "left no completed result" in ended_unfinished(gone, None)
+    path = Path(results_path(gone.watch_dir, gone.name, gone.run_id))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"mode": "resident", "global_step": 6, "completed": true, "rounds_done": 6}\n')
+    assert ended_unfinished(gone, None) is None  # it completed: nothing to submit

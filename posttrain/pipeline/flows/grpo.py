@@ -42,7 +42,7 @@ from posttrain.pipeline.tasks.report import (
 )
 from posttrain.pipeline.tasks.rollouts import map_shards, shard_runner
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import JOB_MARKER, cancel_submitted, resident_run, train_step
+from posttrain.pipeline.tasks.training import cancel_submitted, resident_markers, resident_run, train_step
 from posttrain.publish.publisher import PublishedSnapshot
 from posttrain.rollouts.format import load_rollouts
 from posttrain.rollouts.rounds import pooled_rewards, shard_specs
@@ -92,7 +92,7 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
     resident = settings.trainer_job == "resident"
-    jobs = [run_dir / JOB_MARKER] if resident else sorted(run_dir.glob("rounds/*/train-job.json"))
+    jobs = resident_markers(run_dir) if resident else sorted(run_dir.glob("rounds/*/train-job.json"))
     report_goodput(card, settings.run_name, clock, jobs)
     return GrpoReport(run_name=settings.run_name, rounds=table, final_checkpoint=current,
                       final_snapshot=final.identity, reward_curve=str(curve), run_dir=str(run_dir),

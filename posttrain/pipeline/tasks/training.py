@@ -23,7 +23,7 @@ from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.report import log_links
 from posttrain.runs.job import TrainingSettings
 from posttrain.runs.once import JobRecord, cancel_job, job_ended, job_name, submit_once, wait_for_result
-from posttrain.runs.resident import OnEnd, ResidentRun, RunJob
+from posttrain.runs.resident import OnEnd, ResidentRun, RunJob, ended_unfinished
 from posttrain.trainer.config import TrainerConfig
 
 #: The submit marker of a run's one training job (the nightly run's, a resident GRPO trainer's).
@@ -76,6 +76,12 @@ def submitted_markers(run_dir: Path) -> list[Path]:
     return [m for m in (run_dir / JOB_MARKER, *sorted(run_dir.glob("rounds/*/train-job.json"))) if m.exists()]
 
 
+def resident_markers(run_dir: Path) -> list[Path]:
+    """The markers of a GRPO run's resident jobs: the earlier ones a retry submitted again, then the current."""
+    earlier = sorted(run_dir.glob("training-job.*.json"), key=lambda p: int(p.name.split(".")[1]))
+    return [*earlier, run_dir / JOB_MARKER]
+
+
 def end_events(job: JobRecord) -> OnEnd:
     """The ``on_end`` of a run's job: its end as an event, ``posttrain.job.completed`` or ``posttrain.job.failed``."""
     return lambda outcome, reason: events.job_event(outcome, job, reason=reason)
@@ -94,7 +100,16 @@ def resident_run(cluster_ref: str, run_name: str, trainer: TrainerConfig, run_di
                  card: str | None = None) -> ResidentRun:
     """A GRPO run's resident trainer (``posttrain.runs.resident``), submitted once (a retried flow
     run finds it by the run's submit marker); its end is an event."""
-    job = submit(cluster_ref, f"{run_name}-resident", trainer, str(run_dir / JOB_MARKER), card=card)
+    marker = run_dir / JOB_MARKER
+    job = submit(cluster_ref, f"{run_name}-resident", trainer, str(marker), card=card)
+    why = ended_unfinished(job, cluster_settings(cluster_ref))
+    if why is not None:  # a retried flow run whose job gave up meanwhile: a new job resumes its rounds
+        earlier = marker.with_name(f"{marker.stem}.{len(list(run_dir.glob('training-job.*.json'))) + 1}.json")
+        marker.rename(earlier)
+        get_run_logger().warning("resident training job %s ended before the run's last round (%s); submitting it "
+                                 "again: it resumes from its last checkpoint (the earlier job's record: %s)",
+                                 job.job_id, why.splitlines()[0], earlier.name)
+        job = submit(cluster_ref, f"{run_name}-resident", trainer, str(marker), card=card)
     return ResidentRun(job, cluster_settings(cluster_ref), trainer, cursor_path=run_dir / CURSOR_FILE,
                        poll_interval=poll_interval, on_end=end_events(job))
 
