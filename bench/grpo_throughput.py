@@ -165,11 +165,11 @@ def flow_side(rounds: list[dict]) -> dict:
     """Seconds of the flow's rounds: sampling, publish + hot-load, waiting for the trainer (the resident's
     waits at the bound; a step job's whole run)."""
     sample = sum(r.get("sample s") or 0 for r in rounds)
-    serve = sum(r.get("publish + hot-load s") or 0 for r in rounds)
+    serve = sum((r.get("publish s") or 0) + (r.get("hot-load s") or 0) for r in rounds)
     waits = sum(r.get("wait s") or 0 for r in rounds)
     if all("wait s" not in r for r in rounds):  # per_round: the step job is what is left of the round
-        waits = sum((r.get("round s") or 0) - (r.get("sample s") or 0) - (r.get("publish + hot-load s") or 0)
-                    for r in rounds)
+        waits = sum((r.get("round s") or 0) - (r.get("sample s") or 0) - (r.get("publish s") or 0)
+                    - (r.get("hot-load s") or 0) for r in rounds)
     return {"sample": sample, "serve": serve, "wait": waits}
 
 

@@ -72,12 +72,16 @@ def test_trained_checkpoints_are_served_by_vllm_exactly(tied, seaweedfs_bucket, 
     loader = CoreWeaveHotLoader(HotLoadConfig(api_url=server.url, deployment_id=DEPLOYMENT, token=TOKEN,
                                               poll_interval=0.1, timeout=300, fallback_to_full=False))
     try:
-        assert_matches(_served(server.url)[0], transformers_greedy(base, PROMPTS))
+        booted = _served(server.url)[0]
+        assert_matches(booted, transformers_greedy(base, PROMPTS))
         answers = []
-        if tied:  # each hot-load restarts vLLM (~25 s here): a full and a delta show both paths
-            checkpoints = [checkpoints[0], checkpoints[-1]]
+        # Tied: each hot-load restarts vLLM (~25 s here); one, of the last delta, whose chain (the full
+        # and both deltas) the gateway fetches and rebuilds, shows the restart path.
+        loaded = checkpoints[-1:] if tied else checkpoints
         for step, ckpt in enumerate(checkpoints, start=1):
             published = publisher.publish_step(ckpt, step)
+            if ckpt not in loaded:
+                continue
             pids = set(server.engine.replicas[0].process.pids())
             result = loader.hot_load(published.identity,
                                      base_identity=published.base if published.kind == "delta" else None)
@@ -88,8 +92,8 @@ def test_trained_checkpoints_are_served_by_vllm_exactly(tied, seaweedfs_bucket, 
             restarted = not pids & set(server.engine.replicas[0].process.pids())
             assert restarted == tied, "tied embeddings: a restart on the new weights; untied: a reload in place"
             answers.append(got)
-        assert [s.kind for s in publisher.published] == ["full"] + ["delta"] * (len(checkpoints) - 1)
-        assert answers[0] != answers[-1], "training must change what vLLM serves"
+        assert [s.kind for s in publisher.published] == ["full", "delta", "delta"]
+        assert booted != answers[-1], "training must change what vLLM serves"
     finally:
         loader.close()
         server.shutdown()

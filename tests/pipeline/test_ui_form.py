@@ -134,8 +134,15 @@ def _form(browser: Browser, ui: UI, deployment: dict) -> dict:
     browser.open(f"{ui.url}/deployments/deployment/{deployment['id']}/run")
     blocks = " && ".join(f"f[{name!r}] && f[{name!r}].tab" for name in BLOCK_PARAMETERS)
     browser.wait_for(f"(() => {{ const f = {FIELDS}; return {blocks}; }})()", timeout=30)
-    time.sleep(0.5)  # the any-of fields pick their tab asynchronously
-    return browser.js(FIELDS)
+    # The any-of fields pick their tab, and the last fields render their descriptions, asynchronously
+    # (seen under load: an empty description at the end of the form): read until two reads agree.
+    fields, deadline = browser.js(FIELDS), time.monotonic() + 10
+    while True:
+        time.sleep(0.5)
+        again = browser.js(FIELDS)
+        if again == fields and all(f["description"] != "" for f in fields.values()) or time.monotonic() > deadline:
+            return again
+        fields = again
 
 
 @pytest.mark.timeout(120)

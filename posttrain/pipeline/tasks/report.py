@@ -73,7 +73,7 @@ ROUND_COLUMNS = {"round": "round", "samples": "samples", "reward mean": "reward"
 
 def round_table_rows(rows: list[dict]) -> list[dict]:
     """The rounds table as the artifact shows it; the flow's result keeps the full rows."""
-    return [{header: short_identity(row[key]) if key == "snapshot" else row[key]
+    return [{header: short_identity(row[key]) if key == "snapshot" else row.get(key)
              for key, header in ROUND_COLUMNS.items()} for row in rows]
 
 
@@ -84,7 +84,8 @@ def round_table(run_name: str, rows: list[dict], trainer=None) -> None:
     description = ("GRPO rounds (the round is its rollouts' policy version): reward mean and std over the round's "
                    "samples, the std of the shards' means, the snapshot published (its hash's first 8 hex digits; "
                    "the full identity is in the run's logs, events and result), its size (a delta's % of the full "
-                   "weights, or full), publish, hot-load and round seconds" + tensorboard_line(trainer))
+                   "weights, or full), publish, hot-load and round seconds (none where a round samples a policy an "
+                   "earlier round published: asynchronous rounds)" + tensorboard_line(trainer))
     shown = round_table_rows(rows)
     _upsert(key, "table", json.dumps(shown), description,
             lambda: create_table_artifact(shown, key=key, description=description))
