@@ -132,8 +132,10 @@ class TinySetup:
 
         grpo = parameter_fields(GrpoSettings)
         base = {k: v for k, v in self.settings(run_name).items() if k in grpo}
+        # round_timeout_s: a resident job whose flow failed waits this long for a retry (a test that
+        # failed leaves no trainer behind for the default half hour)
         return {**base, "rounds": 1, "prompts_per_round": 2, "shards": 1, "num_generations": 2,
-                "max_completion_length": 4, "reward_funcs": REWARDS, **overrides}
+                "max_completion_length": 4, "reward_funcs": REWARDS, "round_timeout_s": 300, **overrides}
 
     def served_identity(self) -> str | None:
         """The snapshot the inference server serves, from its /health endpoint."""

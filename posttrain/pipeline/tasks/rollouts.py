@@ -36,14 +36,25 @@ def _round_block(inference: str, spec: ShardSpec):
         return _BLOCKS[key]
 
 
+# transformers resolves its names lazily, and not thread-safely: the first shards of a fresh process,
+# importing it at once from their threads, failed with "cannot import name 'AutoTokenizer'".
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def _load_tokenizer(path: str):
+    """A tokenizer of its own for a shard (a fast tokenizer is not to be shared between threads)."""
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+
+
 def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     """The shard's work: sample from the deployment, score, write the rollouts. A plain function
     that the subflow calls, not a task of its own: the subflow's state is the work's, and a task
     run inside it cost the server a task run and three state events per shard."""
-    from transformers import AutoTokenizer
-
     deployment = _round_block(inference, spec)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = _load_tokenizer(tokenizer_dir)
     client = deployment.completions()
     try:
         result = run_shard(spec, settings, client, tokenizer)
