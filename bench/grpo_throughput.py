@@ -129,7 +129,7 @@ def run_one(args: argparse.Namespace) -> dict:
             prompts_per_round=args.shards * args.prompts_per_shard, trainer_job=trainer_job, max_staleness=k,
             watch_poll_s=0.2,
             rollout={"num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
-                     "reward_funcs": ["posttrain.rewards:correctness_reward"]},
+                     "reward_funcs": ["posttrain.rewards:length_reward", "posttrain.rewards:format_reward"]},
             trainer={"learning_rate": 1e-3, "use_cpu": True, "seed": args.seed, "report_to": ["none"]},
         )
         t0 = time.perf_counter()
