@@ -216,6 +216,7 @@ def main() -> None:
     scripts = ROOT / "scripts/services"
     work = Path(tempfile.mkdtemp(prefix="posttrain-grpo-bench-"))
     results: list[dict] = []
+    load0 = os.getloadavg()[0]
     subprocess.run(["bash", str(scripts / "start-prefect.sh")], env=env, check=True, preexec_fn=pin(INFERENCE_CORE))
     try:
         prepare(work, args)
@@ -236,17 +237,18 @@ def main() -> None:
     finally:
         subprocess.run(["bash", str(scripts / "stop-prefect.sh")], env=env, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    report(results, modes, args)
+    report(results, modes, args, (load0, os.getloadavg()[0]))
 
 
-def report(results: list[dict], modes: list[str], args: argparse.Namespace) -> None:
+def report(results: list[dict], modes: list[str], args: argparse.Namespace, load: tuple[float, float]) -> None:
     by_mode = {m: [r for r in results if r["mode"] == m] for m in modes}
     rpm = {m: statistics.median(args.rounds / r["wall"] * 60 for r in rs) for m, rs in by_mode.items() if rs}
     base = rpm.get("per_round")
     print(f"\nGRPO, {args.rounds} rounds x {args.shards} shards x {args.prompts_per_shard} prompts x "
           f"{args.num_generations} completions (<= {args.max_completion_length} tokens); inference on core "
           f"{INFERENCE_CORE}, flow + training on core {TRAINING_CORE}; medians over seeds "
-          f"{args.seeds}; seconds per run")
+          f"{args.seeds}; seconds per run; {os.cpu_count()} CPUs, load (1 min) {load[0]:.2f} before, "
+          f"{load[1]:.2f} after")
     header = (f"{'mode':>10} {'runs':>4} {'rounds/min':>10} {'vs (a)':>7} {'wall s':>7} | {'trainer: start':>14} "
               f"{'update':>6} {'save':>5} {'waits':>6} | {'flow: sample':>12} {'pub+load':>8} {'waits':>6} | "
               f"{'staleness':>9} | {'mean reward/round':>17} {'spread of run means':>19}")
