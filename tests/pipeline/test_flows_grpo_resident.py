@@ -229,7 +229,7 @@ def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, reque
     block = f"flows-grpo-resident-slurm-{nodes}"
     SlurmCluster(settings=SlurmConfig(**{**two_node_cluster(tiny_setup.root), "nodes": nodes})).save(block,
                                                                                                    overwrite=True)
-    params = tiny_setup.grpo_settings(f"flows-resident-slurm{nodes}", rounds=3,
+    params = tiny_setup.grpo_settings(f"flows-resident-slurm{nodes}", rounds=6, max_staleness=1,
                                       cluster=f"posttrain-slurm-cluster/{block}")
     state = grpo(**params, return_state=True)
     assert state.is_completed(), state.message
@@ -239,9 +239,10 @@ def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, reque
     assert job.backend == "slurm"
     sacct = subprocess.run(["sacct", "-X", "-n", "-P", "--name", job.name, "-o", "JobID,State"],
                            capture_output=True, text=True, timeout=20).stdout.split()
-    assert sacct == [f"{job.job_id}|COMPLETED"], sacct  # one sbatch job for the three rounds
-    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert [row["round"] for row in report.rounds] == [0, 1, 2]
+    assert sacct == [f"{job.job_id}|COMPLETED"], sacct  # one sbatch job for the six rounds
+    assert checkpoints(run_dir) == [f"checkpoint-{n}" for n in range(1, 7)]
+    assert [row["round"] for row in report.rounds] == list(range(6))
+    assert all(0 <= row["staleness"] <= 1 for row in report.rounds), report.rounds
     assert tiny_setup.served_identity() == report.final_snapshot
     if nodes == 2:  # one rank on each node, in the one job
         from tests.pipeline.test_flows_multinode import rank_log
