@@ -265,7 +265,7 @@ def test_flow_settings_per_mode():
     step, grpo = set(StepTrainerSettings.model_fields), set(GrpoTrainerSettings.model_fields)
     assert "round_timeout_s" in resident and "round_timeout_s" not in step | grpo
     assert {"rounds", "rounds_dir", "rollouts"}.isdisjoint(resident | step | grpo)  # the flow fills them in
-    assert {"max_staleness", "importance_sampling_cap", "ref_model_name_or_path", "per_device_train_batch_size"} <= (
-        resident & step)
+    assert {"importance_sampling_cap", "ref_model_name_or_path", "per_device_train_batch_size"} <= resident & step
     assert "max_staleness" not in grpo and "per_device_train_batch_size" in grpo
-    assert resident - step == {"round_timeout_s", "temperature"}  # the step flow sets temperature itself
+    # the GRPO flow sets temperature (the rollouts') and max_staleness (its own, GrpoSettings.max_staleness) itself
+    assert resident - step == {"round_timeout_s", "temperature", "max_staleness"}
