@@ -124,10 +124,14 @@ def mtimes(paths) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in paths}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(720)
 def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(process_worker, tiny_setup, tmp_path):
     # Round 2's reward fails (not transient) while the marker file exists: the first attempt fails
-    # there, after rounds 0 and 1 trained; the marker is removed and the run retried as the UI does.
+    # there, after rounds 0 and 1 trained, and so does a retry, which finds the job still waiting.
+    # Then the job is lost (its process group stopped, as with its node); the marker is removed and the
+    # run retried as the UI does: the job is submitted again and resumes from round 1's checkpoint.
+    from posttrain.runs.once import cancel_job
+
     run = "flows-grpo-resident-retry"
     marker = tmp_path / "fail-round-2"
     marker.write_text("fail\n")
@@ -145,28 +149,43 @@ def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(pr
     kept += [run_dir / "policy" / c / "trainer_state.json" for c in ("checkpoint-1", "checkpoint-2")]
     before = mtimes(kept)
 
-    marker.unlink()
-    retry = prefect_cli("flow-run", "retry", flow_run_id)
-    assert retry.returncode == 0, retry.stdout + retry.stderr
-    wait_not_final(flow_run_id)
-    second = wait_final(flow_run_id, timeout=300)
-    assert second.state.is_completed(), f"{second.state_name}: {second.state.message}\n{process_worker.tail()}"
-    assert second.run_count == 2
+    def retry(count: int):
+        done = prefect_cli("flow-run", "retry", flow_run_id)
+        assert done.returncode == 0, done.stdout + done.stderr
+        wait_not_final(flow_run_id)
+        final = wait_final(flow_run_id, timeout=300)
+        assert final.run_count == count
+        return final
 
-    # One job: found by its marker, not submitted again; it trained round 2 and completed.
+    # A retry while the job waits for round 2: it finds the job (not submitted again), fails at round 2 again.
+    second = retry(2)
+    assert second.state.is_failed() and "injected: round 2" in (second.state.message or "")
     assert JobRecord.model_validate_json((run_dir / "training-job.json").read_text()) == job
     assert len(job_folders(tiny_setup, job.name)) == 1, job_folders(tiny_setup, job.name)
-    (results,) = sorted((run_dir / "policy" / ".posttrain").glob("*.results.jsonl"))
+    logs = flow_run_logs(flow_run_id)
+    assert any(f"training job {job.job_id} was submitted before" in m for m in logs), logs
+
+    # The job is lost meanwhile; the next retry submits it again, and the new job resumes.
+    assert "stopped process group" in cancel_job(job, None)
+    marker.unlink()
+    third = retry(3)
+    assert third.state.is_completed(), f"{third.state_name}: {third.state.message}\n{process_worker.tail()}"
+    assert JobRecord.model_validate_json((run_dir / "training-job.1.json").read_text()) == job  # kept
+    again = JobRecord.model_validate_json((run_dir / "training-job.json").read_text())
+    assert again.job_id != job.job_id and again.name == job.name
+    assert len(job_folders(tiny_setup, job.name)) == 2, job_folders(tiny_setup, job.name)
+    (results,) = sorted((run_dir / "policy" / ".posttrain").glob(f"*{again.run_id}.results.jsonl"))
     lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0]["completed"] and lines[0]["rounds_done"] == 3, lines
+    assert lines[0]["resumed_from"].endswith("checkpoint-2"), lines
     assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     # Rounds 0 and 1 were not sampled or trained again: their files untouched, their shards ran once.
     assert mtimes(kept) == before
     shards = [r.name for r in subflow_runs(flow_run_id, "rollout-shard")]
     assert shards.count("round-0-shard-0") == shards.count("round-1-shard-0") == 1, shards
-    assert shards.count("round-2-shard-0") >= 2, shards  # failed in the first attempt, then sampled again
+    assert shards.count("round-2-shard-0") >= 3, shards  # failed twice, then sampled again
     logs = flow_run_logs(flow_run_id)
-    assert any(f"training job {job.job_id} was submitted before" in m for m in logs), logs
+    assert any(f"resident training job {job.job_id} ended before the run's last round" in m for m in logs), logs
     assert any("round 1: sampled by an earlier attempt" in m for m in logs), logs
     assert [t.name for t in task_runs(flow_run_id)].count("publish-step-3") == 1
     assert tiny_setup.served_identity().startswith("step-00000003-")
