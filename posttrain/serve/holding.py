@@ -112,13 +112,14 @@ class ReplicaChecks:
                     f"(tolerance {self.tolerance:g})")
         return None
 
-    def _took(self, r: Replica, folder: Path) -> None:
-        """After ``r`` switched to ``folder``: read back and record what it reports and answers."""
+    def _took(self, r: Replica, folder: Path, model: str | None = None) -> None:
+        """After ``r`` switched to ``folder``: read back and record what it reports and answers (asking
+        ``model``, default what requests go to now)."""
         label = read_label(r)
         if label is not None and label != folder.name:
             raise EngineError(f"{r.name} reports weight version {label!r} after reloading {folder.name}: it did "
                               "not take the new weights")
-        r.label, r.expected = label, self._fingerprint(r)
+        r.label, r.expected = label, self._fingerprint(r, model)
 
     # ------------------------------------------------------------------ the monitor
     def _suspect(self, r: Replica, why: str) -> None:

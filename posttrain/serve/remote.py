@@ -186,9 +186,13 @@ class RemoteEngine(ReplicaChecks):
                             continue
                         switched.append(r)
                         with stage("switch"):
-                            before = None if resume else self._fingerprint(r)
+                            # The base model's answers, before and after: an adapter served until now is
+                            # dropped once every replica switched, so requests go to the new weights
+                            # themselves (recorded with the adapter's answers, the monitor found them
+                            # "other weights" at its next probe and put the replica back)
+                            before = None if resume else self._fingerprint(r, self.model_name)
                             self._switch(r, folder, restart)
-                            self._took(r, folder)
+                            self._took(r, folder, self.model_name)
                             if (before is not None and r.expected == before
                                     and not same_weights(folder, previous_base)):
                                 raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it "

@@ -82,7 +82,8 @@ def gateway(published, tmp_path_factory):
     work = tmp_path_factory.mktemp("gw") / "work"
     config = ServeConfig(model_dir=published["base"], served_model_name="tiny", port=0, deployment_id=DEPLOYMENT,
                          store=str(published["store"]), token=SecretStr(TOKEN), work_dir=work, engine="vllm",
-                         vllm=VLLMProcessConfig(max_lora_rank=16, log_file=work.parent / "vllm.log"))
+                         vllm=VLLMProcessConfig(max_lora_rank=16, log_file=work.parent / "vllm.log"),
+                         probe_interval_s=1.0)  # the monitor checks what each replica holds every second
     server = InferenceServer(config).start()
     yield server
     server.shutdown()
@@ -128,6 +129,10 @@ def test_adapter_versions_answer_as_the_merged_model_and_bad_ones_are_refused(ga
     merged = loader.hot_load(ids[4])
     got, stamped = served_greedy(api)
     assert merged.identity == stamped == ids[4]
+    assert_matches(got, refs[1])
+    time.sleep(3)  # the monitor's probes meanwhile find the replica on the merged weights: nothing put back
+    got, stamped = served_greedy(api)
+    assert stamped == ids[4] and not gateway.engine.replica_errors()
     assert_matches(got, refs[1])
     with pytest.raises(HotLoadFailed, match="was trained on base"):  # not on the merged model served now
         loader.hot_load(ids[0])
