@@ -276,7 +276,8 @@ def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, reque
 def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeypatch):
     # Round sampling lasts >= 4 s (a slow reward); once round 0's checkpoint is written, the job is
     # requeued (scontrol requeue) while it waits for round 1: its second start resumes from
-    # checkpoint-1 and trains rounds 1 and 2; the flow follows the same job throughout.
+    # checkpoint-1 and trains rounds 1 to 5; the flow follows the same job throughout (six rounds, one
+    # node, one sbatch job).
     import subprocess
     import threading
 
@@ -291,7 +292,7 @@ def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeyp
     block = "flows-grpo-resident-requeue"
     SlurmCluster(settings=SlurmConfig(**{**two_node_cluster(tiny_setup.root), "nodes": 1})).save(block, overwrite=True)
     run = "flows-resident-requeue"
-    params = tiny_setup.grpo_settings(run, rounds=3, prompts_per_round=1, cluster=f"posttrain-slurm-cluster/{block}",
+    params = tiny_setup.grpo_settings(run, rounds=6, prompts_per_round=1, cluster=f"posttrain-slurm-cluster/{block}",
                                       reward_funcs=["tests.pipeline.flaky:slow_reward"])
     requeued: dict = {}
 
@@ -322,11 +323,11 @@ def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeyp
     sacct = subprocess.run(["sacct", "-X", "-n", "-P", "--name", job.name, "-o", "JobID,State"],
                            capture_output=True, text=True, timeout=20).stdout.split()
     assert sacct == [f"{job.job_id}|COMPLETED"], sacct  # the same one job
-    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert checkpoints(run_dir) == [f"checkpoint-{n}" for n in range(1, 7)]
     assert (run_dir / "policy" / "checkpoint-1" / "trainer_state.json").stat().st_mtime_ns == requeued["mtime"]
     (results,) = sorted((run_dir / "policy" / ".posttrain").glob("*.results.jsonl"))
     lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    assert lines[-1]["completed"] and lines[-1]["rounds_done"] == 3, lines
+    assert lines[-1]["completed"] and lines[-1]["rounds_done"] == 6, lines
     assert lines[-1]["resumed_from"] == str(run_dir / "policy" / "checkpoint-1"), lines
     assert tiny_setup.served_identity() == report.final_snapshot
     # The run's goodput (issue 23: "a run with a requeue shows the lost time"): it adds up to the flow run's
