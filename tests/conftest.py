@@ -43,13 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
-    """The orchestration tests first (the longest group starts at once), then the other groups longest
-    first as their markers tell (vLLM's, then the other end-to-end ones), so that the last groups a
-    worker takes are short ones and the two workers finish close together; collection order within."""
+    """The orchestration tests first (the longest group starts at once), in collection order. (Taking
+    the vLLM groups first as well ran them all beside the orchestration group, and the suite took
+    longer: both are CPU-bound on two cores.)"""
     orchestration = {id(i) for i in items if ORCHESTRATION_FIXTURES & set(getattr(i, "fixturenames", ()))}
     for item in items:
         group = ORCHESTRATION if id(item) in orchestration else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda i: (id(i) not in orchestration, i.get_closest_marker("vllm") is None,
-                              i.get_closest_marker("slow") is None))
+    items.sort(key=lambda i: id(i) not in orchestration)  # stable: collection order within each part
 

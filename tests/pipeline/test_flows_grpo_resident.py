@@ -35,48 +35,12 @@ def checkpoints(run_dir) -> list[str]:
     return sorted(p.name for p in (run_dir / "policy").glob("checkpoint-*"))
 
 
-@pytest.mark.timeout(420)
-def test_a_resident_grpo_run_is_one_training_job(tiny_setup):
-    from posttrain.pipeline.flows.grpo import grpo
-
-    params = tiny_setup.grpo_settings("flows-grpo-resident", rounds=3)
-    state = grpo(**params, return_state=True)
-    assert state.is_completed(), state.message
-    report = state.result()
-    run_dir = tiny_setup.shared_dir / "runs" / report.run_name
-    job = JobRecord.model_validate_json((run_dir / "training-job.json").read_text())
-    assert job.name == job_name(f"{report.run_name}-resident") and job.backend == "local"
-    assert len(job_folders(tiny_setup, job.name)) == 1, job_folders(tiny_setup, job.name)
-    assert not list(run_dir.glob("rounds/*/train-job.json"))  # no step jobs
-    assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert [row["round"] for row in report.rounds] == [0, 1, 2]
-    assert report.final_checkpoint == str(run_dir / "policy" / "checkpoint-3")
-    assert [json.loads((run_dir / "rounds" / f"{r:04d}" / "ready.json").read_text())["round"] for r in range(3)] \
-        == [0, 1, 2]
-    # The trainer's one result: completed, three rounds.
-    (results,) = sorted((run_dir / "policy" / ".posttrain").glob("*.results.jsonl"))
-    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0]["completed"] and lines[0]["rounds_done"] == 3, lines
-    assert lines[0]["mode"] == "resident"
-    assert tiny_setup.served_identity() == report.final_snapshot
-    # Goodput: the trainer's waits for rounds are not training; the flow's sampling shows there.
-    from prefect import get_client
-    from prefect.client.schemas.filters import ArtifactFilter
-
-    from tests.pipeline.run_events import assert_goodput_adds_up
-
-    flow_run_id = state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
-    seconds = assert_goodput_adds_up(flow_run_id, next(a for a in artifacts if a.key == "flows-grpo-resident-goodput"))
-    assert min(seconds["sampling"], seconds["training"], seconds["startup"]) > 0, seconds
-
-
 @pytest.mark.timeout(480)
 def test_asynchronous_rounds_sample_ahead_within_the_bound(tiny_setup):
-    """max_staleness 2, six rounds: rounds are sampled while earlier ones train, never from a policy
-    more than 2 versions behind, and nothing is dropped; each shard names one snapshot, the one
-    published of the policy version its rollouts record."""
+    """A resident GRPO run is one training job: six rounds at max_staleness 2 are sampled while earlier
+    ones train, never from a policy more than 2 versions behind, and nothing is dropped; each shard
+    names one snapshot, the one published of the policy version its rollouts record. (Synchronous
+    rounds, the default, run in the retry, cancel and Slurm tests below.)"""
     from posttrain.pipeline.flows.grpo import grpo
     from posttrain.rollouts.format import load_rollouts
 
@@ -118,6 +82,21 @@ def test_asynchronous_rounds_sample_ahead_within_the_bound(tiny_setup):
         assert state_file["rollouts_dropped_stale"] == 0 and state_file["rollouts_used"] > 0, state_file
         assert state_file["metrics"]["staleness_max"] <= k, state_file
     assert tiny_setup.served_identity() == report.final_snapshot
+    assert report.final_checkpoint == str(run_dir / "policy" / f"checkpoint-{rounds}")
+    assert not list(run_dir.glob("rounds/*/train-job.json"))  # no step jobs
+    assert job.name == job_name(f"{report.run_name}-resident") and job.backend == "local"
+    assert result["mode"] == "resident"
+    # Goodput: the trainer's waits for rounds are not training; the flow's sampling shows there.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter
+
+    from tests.pipeline.run_events import assert_goodput_adds_up
+
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+    seconds = assert_goodput_adds_up(flow_run_id, next(a for a in artifacts if a.key == "flows-grpo-async-goodput"))
+    assert min(seconds["sampling"], seconds["training"], seconds["startup"]) > 0, seconds
 
 
 def mtimes(paths) -> dict[str, int]:
