@@ -159,8 +159,9 @@ class ResidentRun(RunJob):
         ready = read_ready(self.rounds_dir, round)
         return None if ready is None else ready.policy_versions
 
-    def hand(self, round: int, policy_version: int) -> None:
-        """Hand the round's rollouts (already in its folder) to the trainer; again is a no-op."""
+    def hand(self, round: int, policy_version: int | list[int]) -> None:
+        """Hand the round's rollouts (already in its folder) to the trainer, sampled by ``policy_version``
+        (or versions: a round an earlier attempt sampled); again is a no-op (the first hand-over stands)."""
         hand_round(self.rounds_dir, round, self.handed(round) or policy_version)
 
     def wait(self, round: int) -> CheckpointInfo:
