@@ -1,11 +1,18 @@
 """posttrain serve --engine vllm against REAL vLLM (CPU build): the gateway hot-loads a chain
 into vLLM, and vLLM then answers exactly as transformers does on that version; bad versions
 never reach vLLM and leave the previous one served; a killed engine comes back on the last good
-version. (A model with tied embeddings, switched by a restart: tests/e2e/test_e2e_vllm.py.)"""
+version. (A model with tied embeddings, switched by a restart: tests/e2e/test_e2e_vllm.py.)
+
+The module's gateway also serves /metrics, and its first test has a REAL Prometheus (Debian's package,
+tests/support/prometheus.py) scrape it through two hot-loads (full, delta) and one refused (a snapshot
+missing a tensor): Prometheus's HTTP API then shows the served identity changed twice, the failure
+counted with its reason, and the stage histograms' counts. It runs first (file order), so its counts
+are the gateway's from boot."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -37,6 +44,7 @@ from tests.support.vllm import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 require_vllm()
+UP_PROJ = "model.layers.0.mlp.up_proj.weight"
 
 
 def _without(src: Path, dst: Path, drop: str | None = None, reshape: str | None = None) -> Path:
@@ -100,10 +108,66 @@ def untied(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def gateway(untied, tmp_path_factory):
-    server = _gateway(untied, tmp_path_factory.mktemp("gw") / "work")
+    server = _gateway(untied, tmp_path_factory.mktemp("gw") / "work", metrics_port=0)
     yield server
     server.shutdown()
     assert not server.engine.replicas[0].process.pids(), "shutdown left vLLM processes behind"
+
+
+def _prom_served(prometheus, instance: str) -> set[str]:
+    return {s["metric"].get("identity", "") for s in
+            prometheus.query(f'posttrain_replica_snapshot_info{{instance="{instance}"}}')}
+
+
+def _prom_value(prometheus, expr: str) -> float:
+    found = prometheus.query(expr)
+    assert len(found) == 1, (expr, found)
+    return found[0]["value"]
+
+
+def test_prometheus_sees_two_hot_loads_and_a_refused_one(gateway, untied, prometheus, make_client, tmp_path: Path):
+    instance = prometheus.scrape(gateway.metrics_url, TOKEN)
+    started = time.time()
+    prometheus.wait_scraped(instance, started)
+    boot = _prom_served(prometheus, instance)
+    assert len(boot) == 1 and untied["ids"][0] not in boot
+
+    loader = _loader(gateway, make_client)
+    full, delta = untied["ids"][0], untied["ids"][1]
+    for identity, base in ((full, None), (delta, full)):
+        assert loader.hot_load(identity, base_identity=base).identity == identity
+        t = time.time()
+        prometheus.wait_scraped(instance, t)
+        assert _prom_served(prometheus, instance) == {identity}
+    # written apart and copied into the store: the chain the later tests extend keeps its head
+    missing = ChainWriter(tmp_path / "apart", run="metrics").add(
+        _without(untied["models"][1], tmp_path / "missing", drop=UP_PROJ), step=1)
+    shutil.copytree(tmp_path / "apart" / missing.identity, untied["store"] / PREFIX / missing.identity)
+    with pytest.raises(HotLoadFailed, match=UP_PROJ):
+        loader.hot_load(missing.identity)
+    assert served_greedy(Api(gateway.url))[1] == delta
+    t = time.time()
+    prometheus.wait_scraped(instance, t)
+
+    sel = f'instance="{instance}"'
+    window = f"[{int(time.time() - started) + 30}s]"
+    # the served identity changed twice: three identities over the run (boot, full, delta), one now
+    seen = {s["metric"].get("identity", "") for s in prometheus.query(
+        f"count by (identity) (count_over_time(posttrain_replica_snapshot_info{{{sel}}}{window}))")}
+    assert seen == boot | {full, delta}
+    assert _prom_served(prometheus, instance) == {delta}
+    assert _prom_value(prometheus, f'posttrain_replica_snapshot_info{{{sel}}}') == 1
+    assert _prom_value(prometheus, f'posttrain_replica_state{{{sel}, replica="vllm-0", state="READY"}}') == 1
+    # counted by outcome, the refusal with its reason
+    assert _prom_value(prometheus, f'posttrain_hotloads_total{{{sel}, outcome="completed"}}') == 2
+    assert _prom_value(prometheus, f'posttrain_hotloads_total{{{sel}, outcome="failed", reason="LayoutMismatch"}}') == 1
+    # every load fetched, rebuilt and checked its layout; the refused one went no further
+    counts = {s["metric"]["stage"]: s["value"]
+              for s in prometheus.query(f"posttrain_hotload_stage_seconds_count{{{sel}}}")}
+    assert counts == {"fetch": 3, "apply": 3, "validate": 3, "switch": 2, "probe": 2}
+    assert _prom_value(prometheus, f'posttrain_completions_requests_total{{{sel}, status="200"}}') >= 2
+    assert _prom_value(prometheus, f"posttrain_completion_tokens_total{{{sel}}}") > 0
+    prometheus.clear()
 
 
 def test_full_delta_delta_are_each_served_exactly(gateway, untied, make_client):
