@@ -36,6 +36,9 @@ start() {  # start SERVICE: run its start script (a second try after a failure),
 export PREFECT_PORT="${POSTTRAIN_TEST_PREFECT_PORT:-4300}"
 export POSTTRAIN_PREFECT_DIR="$POSTTRAIN_SERVICES_DIR/prefect-tests"
 export POSTTRAIN_PREFECT_DB="${POSTTRAIN_PREFECT_DB:-postgres}"
+# A run waiting for its deployment's concurrency slot is proposed again after this many seconds
+# (Prefect's default 30, docs/prefect.md): the tests that make a run wait get it back sooner.
+export PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS=5
 start slurm
 start s3
 if [ "$POSTTRAIN_PREFECT_DB" = postgres ]; then start postgres; fi
