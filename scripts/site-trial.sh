@@ -106,7 +106,7 @@ out="$(env -u POSTTRAIN_IMAGE "$PY" -m prefect --no-prompt deploy --all 2>&1)" &
 [ "$("$PY" -m prefect deployment ls 2>/dev/null | grep -c 'nightly-post-training/nightly ')" -eq 0 ] \
   || fail "deploy without POSTTRAIN_IMAGE deployed something"
 say "ok: deploy --all without POSTTRAIN_IMAGE is one line and deploys nothing"
-POSTTRAIN_IMAGE=registry/posttrain:trial PWD="$DIR/clone" "$PY" -m prefect --no-prompt deploy --all >"$DIR/deploy.log" 2>&1 \
+POSTTRAIN_IMAGE=registry/posttrain:trial POSTTRAIN_PVC=shared PWD="$DIR/clone" "$PY" -m prefect --no-prompt deploy --all >"$DIR/deploy.log" 2>&1 \
   || fail "deploy --all: $(tail -20 "$DIR/deploy.log")"
 say "ok: deployed"
 PREFECT_WORKER_QUERY_SECONDS=1 background "$DIR/worker.log" "$PY" -m prefect worker start --pool posttrain-process

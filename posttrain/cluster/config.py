@@ -338,7 +338,11 @@ class KubernetesConfig(_LaunchSettings):
     )
     shm_size: str = Field(default="64Gi", description="Size of /dev/shm (memory-backed; counts against memory).")
     pvc: str = Field(description="ReadWriteMany PersistentVolumeClaim (e.g. storage class shared-vast).")
-    pvc_mount: str = Field(default="/data", description="Where the PVC is mounted; outputs and HF cache live here.")
+    pvc_mount: str = Field(
+        default="/data",
+        description="Where the PVC is mounted; outputs and HF cache live here. A posttrain flow's machine mounts "
+        "it at the same path (it writes the run folder the pods read and watches their checkpoints).",
+    )
     scratch_size: str | None = Field(
         default=None, description="Size limit of node-local /scratch (Triton/inductor caches); unlimited when unset."
     )

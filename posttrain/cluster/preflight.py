@@ -4,9 +4,10 @@ path that does not exist reaches the job as an ``OSError`` about repo ids; a mis
 status 127).
 
 Paths are checked where the submitter runs: on Slurm that is the login node (or ``ssh_host``),
-which sees the cluster's shared storage; locally it is where the job runs. On Kubernetes the paths
-live in the job's PersistentVolumeClaim, which the submitter does not mount, and the launcher
-lives in the image: both are left to the job.
+which sees the cluster's shared storage; locally it is where the job runs; on Kubernetes it is the
+machine running the flow, which mounts the job's PersistentVolumeClaim at ``pvc_mount`` as the
+pods do (it writes the run folder the pods read: docs/site-setup.md), so a path must also be
+under ``pvc_mount``. The launcher of a Kubernetes job lives in the image: left to the job.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Literal
 
 from posttrain import redact
-from posttrain.cluster.config import ClusterConfig, LocalConfig, SlurmConfig
+from posttrain.cluster import checks
+from posttrain.cluster.config import ClusterConfig, KubernetesConfig, LocalConfig, SlurmConfig
 from posttrain.cluster.errors import ConfigError
 
 PathKind = Literal["folder", "file", "folder to create"]
@@ -39,15 +41,22 @@ def _where(config: ClusterConfig) -> str:
     if isinstance(config, SlurmConfig):
         host = f"on {config.ssh_host}" if config.ssh_host else "on this login node"
         return f"checked {host}, which sees the cluster's shared storage"
+    if isinstance(config, KubernetesConfig):
+        return f"checked on this machine, which mounts the PVC {config.pvc} at {config.pvc_mount} as the pods do"
     return "checked on this machine, where the job runs"
 
 
-def check_paths(config: ClusterConfig, paths: Mapping[str, tuple[str, PathKind]]) -> None:
+def check_paths(config: ClusterConfig, paths: Mapping[str, tuple[str, PathKind]],
+                job_reads: Collection[str] | None = None) -> None:
     """``ConfigError`` naming the first of ``paths`` (name -> (path, kind)) that is not there.
-    A "folder to create" may be missing if its parent folder exists (the run creates it)."""
-    if not isinstance(config, SlurmConfig | LocalConfig):
-        return  # Kubernetes: the paths are in the job's PVC, which this process does not mount
+    A "folder to create" may be missing if its parent folder exists (the run creates it). On
+    Kubernetes a path the job reads (``job_reads``, names of ``paths``; default all) outside
+    ``pvc_mount`` is refused too: the pods would not see it."""
     for name, (path, kind) in paths.items():
+        read_by_job = job_reads is None or name in job_reads
+        if isinstance(config, KubernetesConfig) and read_by_job and not checks.is_under(path, [config.pvc_mount]):
+            raise ConfigError(name, f"{path} is not on the PVC (under pvc_mount {config.pvc_mount}); "
+                                    "the pods would not see it")
         problem = _path_problem(config, path, kind)
         if problem:
             raise ConfigError(name, f"{path} {problem} ({_where(config)})")

@@ -138,6 +138,16 @@ class TrainingSettings(BaseModel):
             return self.cluster.python
         return "python" if isinstance(self.cluster, KubernetesConfig) else sys.executable
 
+    @classmethod
+    def for_pipeline(cls, name: str, cluster: SlurmConfig | KubernetesConfig | LocalConfig,
+                     trainer: TrainerConfig) -> TrainingSettings:
+        """The settings of a pipeline's job. The pipeline shares the job's storage at the job's own
+        paths: it stages the dataset and writes the rounds where the job reads them. On Kubernetes
+        that means its machine mounts the PVC at ``pvc_mount`` (docs/site-setup.md), so it watches
+        ``trainer.output_dir`` itself; elsewhere ``local_output_dir`` already says so."""
+        watch = str(trainer.output_dir) if isinstance(cluster, KubernetesConfig) else None
+        return cls(name=name, cluster=cluster, trainer=trainer, watch_dir=watch)
+
     @property
     def local_output_dir(self) -> Path | None:
         """Where this machine reads checkpoints and results, or None when it cannot."""

@@ -115,6 +115,26 @@ def ended_unfinished(record: JobRecord, cluster: ClusterConfig | None) -> str | 
     return None
 
 
+def retire_if_ended(record: JobRecord, cluster: ClusterConfig | None, marker: Path) -> tuple[Path, str] | None:
+    """When the job ``marker`` records ended without completing (``ended_unfinished``): move the
+    marker aside, to ``<stem>.<n>.json`` (n = 1, 2, ...: the jobs of the run in order), so the next
+    ``submit_once`` with ``marker`` submits again; returns (where it went, why the job ended).
+    None while the job runs or once it completed: the marker stays."""
+    why = ended_unfinished(record, cluster)
+    if why is None:
+        return None
+    earlier = len(list(marker.parent.glob(f"{marker.stem}.*.json")))
+    retired = marker.with_name(f"{marker.stem}.{earlier + 1}.json")
+    marker.rename(retired)
+    return retired, why
+
+
+def retired_markers(marker: Path) -> list[Path]:
+    """The markers ``retire_if_ended`` moved aside, in the order of their jobs, then ``marker``."""
+    earlier = sorted(marker.parent.glob(f"{marker.stem}.*.json"), key=lambda p: int(p.name.split(".")[-2]))
+    return [*earlier, marker]
+
+
 @dataclass(frozen=True)
 class Policy:
     """The policy a round samples from: ``version`` rounds trained (0: the initial policy) at ``path``."""

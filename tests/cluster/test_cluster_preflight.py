@@ -54,10 +54,18 @@ def test_a_folder_given_as_the_dataset_is_named(inputs):
         preflight.check_paths(LocalConfig(), _paths(inputs, dataset=str(inputs["base_model"])))
 
 
-def test_kubernetes_paths_are_not_checked_here(inputs):
-    # they live in the job's PVC, which the flow's machine does not mount
-    config = KubernetesConfig(namespace="ml", image="registry/posttrain:1", pvc="shared")
-    preflight.check_paths(config, _paths(inputs, base_model="/data/models/base"))
+def test_kubernetes_paths_are_checked_in_the_pvc_this_machine_mounts(inputs, tmp_path):
+    # the flow's machine mounts the job's PVC at pvc_mount, as the pods do (docs/site-setup.md)
+    config = KubernetesConfig(namespace="ml", image="registry/posttrain:1", pvc="shared", pvc_mount=str(tmp_path))
+    preflight.check_paths(config, _paths(inputs))
+    with pytest.raises(ConfigError, match=r"^base_model: .*/nope does not exist \(checked on this machine, which "
+                                          r"mounts the PVC shared at "):
+        preflight.check_paths(config, _paths(inputs, base_model=str(tmp_path / "nope")))
+    elsewhere = _paths(inputs, dataset="/elsewhere/prompts.jsonl")
+    with pytest.raises(ConfigError, match=r"^dataset: /elsewhere/prompts.jsonl is not on the PVC \(under pvc_mount"):
+        preflight.check_paths(config, elsewhere)
+    with pytest.raises(ConfigError, match=r"^dataset: /elsewhere/prompts.jsonl does not exist"):
+        preflight.check_paths(config, elsewhere, job_reads={"base_model", "shared_dir"})  # read here, not by pods
 
 
 def _program(folder: Path, name: str, body: str = "exit 0") -> Path:

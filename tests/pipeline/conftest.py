@@ -221,7 +221,8 @@ def deployed(tiny_setup: TinySetup) -> Deployed:
 
     env = {**os.environ, "PWD": str(REPO),  # prefect.yaml's pull step: {{ $PWD }} at deploy time
            "POSTTRAIN_BASE_MODEL": str(tiny_setup.base_model), "POSTTRAIN_DATASET": str(tiny_setup.dataset),
-           "POSTTRAIN_SHARED_DIR": str(tiny_setup.shared_dir), "POSTTRAIN_IMAGE": "posttrain:flows-test"}
+           "POSTTRAIN_SHARED_DIR": str(tiny_setup.shared_dir), "POSTTRAIN_IMAGE": "posttrain:flows-test",
+           "POSTTRAIN_PVC": "shared"}
     deploy = _cli(_prefect_cmd("--no-prompt", "deploy", "--all"), env=env)
     assert deploy.returncode == 0, f"prefect deploy --all failed:\n{deploy.stdout}{deploy.stderr}"
 

@@ -1,8 +1,10 @@
-"""prefect.yaml's deploy-time checks: the Kubernetes deployment needs $POSTTRAIN_IMAGE, and
-`prefect deploy --all` without it stops with one line before it has made any deployment."""
+"""prefect.yaml's deploy-time checks: the Kubernetes deployment needs $POSTTRAIN_IMAGE and
+$POSTTRAIN_PVC, and `prefect deploy --all` without them stops with one line before it has made any
+deployment."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.pipeline.deployments.setup import with_shared_pvc
 from posttrain.pipeline.deployments.steps import DeployStopped, require_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,8 +39,9 @@ def test_the_kubernetes_deployment_requires_its_image_and_comes_first():
     doc = yaml.safe_load((REPO / "prefect.yaml").read_text())
     k8s = next(d for d in doc["deployments"] if d["name"] == "nightly-k8s")
     assert k8s["work_pool"]["job_variables"]["image"] == "{{ $POSTTRAIN_IMAGE }}"
+    assert k8s["work_pool"]["job_variables"]["pvc"] == "{{ $POSTTRAIN_PVC }}"
     step = next(s[STEP] for s in k8s["build"] if STEP in s)
-    assert step["names"] == ["POSTTRAIN_IMAGE"]
+    assert step["names"] == ["POSTTRAIN_IMAGE", "POSTTRAIN_PVC"]
     # deploy --all deploys in file order: the deployment whose check can stop it goes first
     assert doc["deployments"][0]["name"] == "nightly-k8s"
 
@@ -59,8 +63,12 @@ def test_deploy_all_without_the_image_is_one_line_and_deploys_nothing(prefect_ap
     setup = subprocess.run([sys.executable, "-m", "posttrain", "prefect-setup"], capture_output=True, text=True,
                            timeout=180)
     assert setup.returncode == 0, setup.stderr
+    with get_client(sync_client=True) as client:  # the Kubernetes pool's flow-run pod mounts the jobs' PVC
+        pool = client.read_work_pool("posttrain-kubernetes").base_job_template
+    golden = json.loads((REPO / "tests" / "pipeline" / "golden" / "prefect-kubernetes-base-job-template.json").read_text())
+    assert pool == with_shared_pvc(golden)  # tests/pipeline/test_kubernetes_pool.py renders it
     before = updated()
-    env = {k: v for k, v in os.environ.items() if k != "POSTTRAIN_IMAGE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("POSTTRAIN_IMAGE", "POSTTRAIN_PVC")}
     env.update({"PWD": str(REPO), "POSTTRAIN_BASE_MODEL": str(tmp_path / "model"),
                 "POSTTRAIN_DATASET": str(tmp_path / "prompts.jsonl"), "POSTTRAIN_SHARED_DIR": str(tmp_path)})
     deploy = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=REPO, env=env,
@@ -69,5 +77,5 @@ def test_deploy_all_without_the_image_is_one_line_and_deploys_nothing(prefect_ap
     assert "Traceback" not in deploy.stdout + deploy.stderr
     assert deploy.stderr.strip().splitlines() == [
         deploy.stderr.strip().splitlines()[-1]], deploy.stderr  # one line on stderr
-    assert deploy.stderr.strip().startswith("set POSTTRAIN_IMAGE before deploying")
+    assert deploy.stderr.strip().startswith("set POSTTRAIN_IMAGE, POSTTRAIN_PVC before deploying")
     assert updated() == before

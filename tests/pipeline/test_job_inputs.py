@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.cluster import KubernetesConfig, LocalConfig
+from posttrain.cluster import ConfigError, KubernetesConfig, LocalConfig
 from posttrain.pipeline.blocks import KubernetesCluster, LocalCluster
 from posttrain.pipeline.tasks import blocks
 
@@ -44,7 +44,21 @@ def test_a_missing_launcher_names_the_cluster_block(monkeypatch, run_inputs, tmp
         blocks.check_job_inputs.fn("posttrain-local-cluster/x", **run_inputs)
 
 
-def test_kubernetes_inputs_are_left_to_the_job(monkeypatch):
-    _cluster(monkeypatch, KubernetesCluster(settings=KubernetesConfig(namespace="ml", image="r/p:1", pvc="shared")))
-    blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default", base_model="/data/models/base",
-                               dataset="/data/prompts.jsonl", shared_dir="/data/posttrain")
+def test_kubernetes_inputs_are_checked_in_the_pvc_the_flow_mounts(monkeypatch, tmp_path):
+    """The flow's machine mounts the PVC where the pods do (docs/site-setup.md): what the job reads
+    must exist there, under pvc_mount; the dataset is read by the flow (staged into shared_dir)."""
+    pvc = tmp_path / "pvc"
+    (pvc / "models" / "base").mkdir(parents=True)
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    _cluster(monkeypatch, KubernetesCluster(settings=KubernetesConfig(namespace="ml", image="r/p:1", pvc="shared",
+                                                                      pvc_mount=str(pvc))))
+    good = {"base_model": str(pvc / "models" / "base"), "dataset": str(tmp_path / "prompts.jsonl"),
+            "shared_dir": str(pvc / "posttrain")}
+    blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default", **good)
+    with pytest.raises(ConfigError, match=rf"^base_model: {pvc}/models/nope does not exist \(checked on this "
+                                          rf"machine, which mounts the PVC shared at {pvc} as the pods do\)"):
+        blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default",
+                                   **{**good, "base_model": str(pvc / "models" / "nope")})
+    with pytest.raises(ConfigError, match=rf"^shared_dir: {tmp_path}/shared is not on the PVC \(under pvc_mount "
+                                          rf"{pvc}\); the pods would not see it"):
+        blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default", **{**good, "shared_dir": str(tmp_path / "shared")})

@@ -97,7 +97,8 @@ def ui(request: pytest.FixtureRequest, prefect_api: str, tmp_path_factory: pytes
     env = {**os.environ, "PREFECT_PORT": str(port), "PREFECT_UI": "1", "POSTTRAIN_PREFECT_DIR": str(root / "prefect"),
            "POSTTRAIN_BIN_DIR": str(Path(sys.executable).parent), "PREFECT_API_URL": api, "PWD": str(REPO),
            "POSTTRAIN_BASE_MODEL": str(root / "model"), "POSTTRAIN_DATASET": str(root / "prompts.jsonl"),
-           "POSTTRAIN_SHARED_DIR": str(root / "shared"), "POSTTRAIN_IMAGE": "posttrain:ui-test"}
+           "POSTTRAIN_SHARED_DIR": str(root / "shared"), "POSTTRAIN_IMAGE": "posttrain:ui-test",
+           "POSTTRAIN_PVC": "shared"}
     try:
         _run(["bash", str(SCRIPTS / "start-prefect.sh")], env, "start-prefect.sh")
         _run([sys.executable, "-m", "posttrain", "prefect-setup"], env, "posttrain prefect-setup")

@@ -2,7 +2,9 @@
 the real ``kubernetes`` client): six asynchronous rounds are one Job, submitted once (a retried
 pipeline finds it by its marker), handed round by round and followed to its completion; a cancel
 mid-run deletes the Job with its pods. The Job's pods are played by the test: they read each round's
-marker and write its checkpoint in the PVC, which this machine sees at ``watch_dir``."""
+marker and write its checkpoint in the PVC. The settings are the pipeline's
+(``TrainingSettings.for_pipeline``): this machine mounts the PVC at ``pvc_mount`` as the pods do, so
+it hands rounds and watches checkpoints at the job's own paths."""
 
 from __future__ import annotations
 
@@ -22,17 +24,20 @@ from posttrain.trainer.rounds import read_ready
 from tests.runs.test_once_k8s_recorded import JOB, NAME, NAMESPACE, api, cluster, lines, no_live_runs  # noqa: F401
 
 ROUNDS, K = 6, 1
-RUN = "/data/runs/grpo-7f3a9c1e"  # the run folder in the PVC, as the pods see it
 SUBMIT = [f"POST /apis/batch/v1/namespaces/{NAMESPACE}/jobs", f"POST /api/v1/namespaces/{NAMESPACE}/services",
           f"POST /api/v1/namespaces/{NAMESPACE}/configmaps", f"PATCH {JOB}"]
 
 
 def resident_settings(tmp_path: Path, url: str) -> TrainingSettings:
-    trainer = TrainerConfig(mode="resident", model_name_or_path="/data/models/base", output_dir=f"{RUN}/policy",
-                            rounds_dir=f"{RUN}/rounds", rounds=ROUNDS, max_staleness=K, round_timeout_s=600)
-    return TrainingSettings(name="grpo-7f3a9c1e-resident", run_id="20260301-020000-ab12", trainer=trainer,
-                            cluster=cluster(tmp_path, url).model_copy(update={"job_name": NAME}),
-                            watch_dir=str(tmp_path / "pvc" / "policy"))
+    pvc = tmp_path / "pvc"  # the PVC, mounted here where the pods mount it
+    run = pvc / "runs" / "grpo-7f3a9c1e"
+    trainer = TrainerConfig(mode="resident", model_name_or_path=str(pvc / "models" / "base"),
+                            output_dir=run / "policy", rounds_dir=run / "rounds", rounds=ROUNDS, max_staleness=K,
+                            round_timeout_s=600)
+    k8s = cluster(tmp_path, url).model_copy(update={"job_name": NAME, "pvc_mount": str(pvc)})
+    settings = TrainingSettings.for_pipeline("grpo-7f3a9c1e-resident", k8s, trainer)
+    assert settings.watch_dir == str(run / "policy")  # what the flow watches: the job's output_dir itself
+    return settings.model_copy(update={"run_id": "20260301-020000-ab12"})
 
 
 def pods(recorded, settings: TrainingSettings, local_rounds: Path, seen: list, stop: threading.Event) -> None:
@@ -69,9 +74,9 @@ def test_six_asynchronous_rounds_are_one_kubernetes_job(api, tmp_path):  # noqa:
     assert once.submit_once(settings, marker) == (record, False)  # a retried pipeline finds it
     assert lines(recorded) == SUBMIT
 
-    rounds = tmp_path / "pvc" / "rounds"
+    rounds = Path(settings.trainer.rounds_dir)
     job = ResidentRun(record, settings.cluster, settings.trainer, cursor_path=tmp_path / "cursor.json",
-                      poll_interval=0.02, rounds_dir=rounds)
+                      poll_interval=0.02)
     seen: list = []
     stop = threading.Event()
     worker = threading.Thread(target=pods, args=(recorded, settings, rounds, seen, stop))
@@ -87,7 +92,7 @@ def test_six_asynchronous_rounds_are_one_kubernetes_job(api, tmp_path):  # noqa:
         stop.set()
         worker.join(10)
     assert result.completed and result.rounds_done == ROUNDS
-    assert last.version == ROUNDS and last.path == str(tmp_path / "pvc" / "policy" / f"checkpoint-{ROUNDS}")
+    assert last.version == ROUNDS and last.path == str(settings.trainer.output_dir / f"checkpoint-{ROUNDS}")
     assert [r for r, _ in seen] == list(range(ROUNDS))
     assert all(r - K <= v <= r for r, (v,) in seen), seen  # handed within the bound
     assert any(v < r for r, (v,) in seen), seen  # and ahead of training
@@ -102,7 +107,7 @@ def test_cancel_mid_run_deletes_the_job_with_its_pods(api, tmp_path):  # noqa: F
     settings = resident_settings(tmp_path, url)
     record, _ = once.submit_once(settings, tmp_path / "training-job.json")
     job = ResidentRun(record, settings.cluster, settings.trainer, cursor_path=tmp_path / "cursor.json",
-                      poll_interval=0.02, rounds_dir=tmp_path / "pvc" / "rounds")
+                      poll_interval=0.02)
     recorded.answer("delete-job-foreground", "get-job-not-found", "list-pods-gone")
     assert job.cancel() == f"k8s job {NAMESPACE}/{NAME} cancelled (Job deleted with its pods; was RUNNING)"
     assert lines(recorded)[4:] == [f"GET {JOB}/status", f"DELETE {JOB}"]

@@ -124,12 +124,23 @@ def test_finish_waits_for_every_round_then_the_jobs_result(tmp_path, make_checkp
 
 def test_a_job_found_ended_without_completing_is_to_be_submitted_again(tmp_path):
     from posttrain.runs.job import results_path
-    from posttrain.runs.resident import ended_unfinished
+    from posttrain.runs.resident import ended_unfinished, retire_if_ended, retired_markers
 
     running = resident(tmp_path).record
     assert ended_unfinished(running, None) is None  # its process group lives: follow it
+    marker = tmp_path / "run" / "training-job.json"
+    marker.parent.mkdir()
+    marker.write_text(running.model_dump_json())
+    assert retire_if_ended(running, None, marker) is None and marker.exists()  # the marker stays
     gone = resident(tmp_path, alive=False).record  # it timed out waiting for a round, say
     assert "left no completed result" in ended_unfinished(gone, None)
+    for n in (1, 2):  # each ended job's marker moves aside, numbered in order: submit_once submits again
+        marker.write_text(gone.model_dump_json())
+        retired, why = retire_if_ended(gone, None, marker)
+        assert retired == marker.with_name(f"training-job.{n}.json") and not marker.exists()
+        assert "left no completed result" in why and retired.read_text() == gone.model_dump_json()
+    marker.write_text(running.model_dump_json())
+    assert retired_markers(marker) == [marker.with_name(f"training-job.{n}.json") for n in (1, 2)] + [marker]
     path = Path(results_path(gone.watch_dir, gone.name, gone.run_id))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"mode": "resident", "global_step": 6, "completed": true, "rounds_done": 6}\n')

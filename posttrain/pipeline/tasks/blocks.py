@@ -42,12 +42,15 @@ def check_reward_funcs(paths: list[str]) -> None:
 @task(name="check-job-inputs")
 def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: str) -> None:
     """Before anything is submitted, on the flow's machine: the paths the run reads exist (on Slurm
-    the flow runs on the login node, which sees the shared storage) and the cluster's launcher is
-    on the nodes' PATH (Slurm: a one-task srun probe, once per cluster settings and process). On
-    Kubernetes neither can be seen from here (the PVC, the image): the job tells."""
+    the flow runs on the login node, which sees the shared storage; on Kubernetes it mounts the
+    PVC where the pods do, and the job's paths must be on it) and the cluster's launcher is on the
+    nodes' PATH (Slurm: a one-task srun probe, once per cluster settings and process; on Kubernetes
+    it is the image's business)."""
     settings = load_block(cluster, "cluster").settings
+    # the dataset is read here (the flow stages it into shared_dir); the job reads the other two
     preflight.check_paths(settings, {"base_model": (base_model, "folder"), "dataset": (dataset, "file"),
-                                     "shared_dir": (shared_dir, "folder to create")})
+                                     "shared_dir": (shared_dir, "folder to create")},
+                          job_reads={"base_model", "shared_dir"})
     try:
         note = preflight.check_launcher(settings)
     except ConfigError as e:

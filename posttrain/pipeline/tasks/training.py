@@ -23,7 +23,7 @@ from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.report import log_links
 from posttrain.runs.job import TrainingSettings
 from posttrain.runs.once import JobRecord, cancel_job, job_ended, job_name, submit_once, wait_for_result
-from posttrain.runs.resident import OnEnd, ResidentRun, RunJob, ended_unfinished
+from posttrain.runs.resident import OnEnd, ResidentRun, RunJob, retire_if_ended, retired_markers
 from posttrain.trainer.config import TrainerConfig
 
 #: The submit marker of a run's one training job (the nightly run's, a resident GRPO trainer's).
@@ -42,7 +42,7 @@ def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str, car
     """Submit the trainer once: a marker left by an earlier attempt returns that job instead.
     ``card``: the run name keying the flow run's training-job artifact (default ``name``)."""
     logger = get_run_logger()
-    settings = TrainingSettings(name=job_name(name), cluster=cluster_settings(cluster_ref), trainer=trainer)
+    settings = TrainingSettings.for_pipeline(job_name(name), cluster_settings(cluster_ref), trainer)
     job, new = submit_once(settings, Path(marker))
     if not new:
         logger.info("training job %s was submitted before (%s); not submitting again", job.job_id, marker)
@@ -78,8 +78,7 @@ def submitted_markers(run_dir: Path) -> list[Path]:
 
 def resident_markers(run_dir: Path) -> list[Path]:
     """The markers of a GRPO run's resident jobs: the earlier ones a retry submitted again, then the current."""
-    earlier = sorted(run_dir.glob("training-job.*.json"), key=lambda p: int(p.name.split(".")[1]))
-    return [*earlier, run_dir / JOB_MARKER]
+    return retired_markers(run_dir / JOB_MARKER)
 
 
 def end_events(job: JobRecord) -> OnEnd:
@@ -102,13 +101,11 @@ def resident_run(cluster_ref: str, run_name: str, trainer: TrainerConfig, run_di
     run finds it by the run's submit marker); its end is an event."""
     marker = run_dir / JOB_MARKER
     job = submit(cluster_ref, f"{run_name}-resident", trainer, str(marker), card=card)
-    why = ended_unfinished(job, cluster_settings(cluster_ref))
-    if why is not None:  # a retried flow run whose job gave up meanwhile: a new job resumes its rounds
-        earlier = marker.with_name(f"{marker.stem}.{len(list(run_dir.glob('training-job.*.json'))) + 1}.json")
-        marker.rename(earlier)
+    retired = retire_if_ended(job, cluster_settings(cluster_ref), marker)
+    if retired is not None:  # a retried flow run whose job gave up meanwhile: a new job resumes its rounds
         get_run_logger().warning("resident training job %s ended before the run's last round (%s); submitting it "
                                  "again: it resumes from its last checkpoint (the earlier job's record: %s)",
-                                 job.job_id, why.splitlines()[0], earlier.name)
+                                 job.job_id, retired[1].splitlines()[0], retired[0].name)
         job = submit(cluster_ref, f"{run_name}-resident", trainer, str(marker), card=card)
     return ResidentRun(job, cluster_settings(cluster_ref), trainer, cursor_path=run_dir / CURSOR_FILE,
                        poll_interval=poll_interval, on_end=end_events(job))
