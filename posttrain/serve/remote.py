@@ -118,7 +118,7 @@ class RemoteEngine(ReplicaChecks):
         self._wake.set()
         for r in self.replicas:
             if r.process is not None:
-                r.process.stop()
+                r.process.close()  # not stop(): the monitor may be restarting it this very moment
             r.client.close()
 
     def complete(self, body: object) -> dict:

@@ -21,6 +21,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -135,6 +136,11 @@ class VLLMProcess:
         self.model_dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
+        # close() and a start() in another thread (a gateway's monitor restarting a replica while the
+        # gateway shuts down): a start either sees the close and starts nothing, or its process exists
+        # before close() stops what there is.
+        self._lock = threading.Lock()
+        self._closed = False
         atexit.register(self._kill_quietly)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -168,31 +174,32 @@ class VLLMProcess:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with open(self.log_file, "ab") as out:
+        with self._lock, open(self.log_file, "ab") as out:
+            if self._closed:
+                raise EngineStartError(f"vLLM at {self.url} was closed; it is not started again")
             self._log_offset = out.tell()
             out.write(f"=== posttrain: starting vLLM at {self.url} on {model_dir}\n".encode())
             out.flush()
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 self.command(model_dir), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
             )  # fmt: skip
         self.model_dir = model_dir
-        log.info("vLLM starting at %s on %s (pid %d, log %s)", self.url, model_dir, self._proc.pid, self.log_file)
+        log.info("vLLM starting at %s on %s (pid %d, log %s)", self.url, model_dir, proc.pid, self.log_file)
         try:
-            self._wait_ready(t0 + self.config.start_timeout_s)
+            self._wait_ready(proc, t0 + self.config.start_timeout_s)
         except BaseException:
             self.stop()
             raise
         log.info("vLLM ready at %s in %.1f s", self.url, time.monotonic() - t0)
 
-    def _wait_ready(self, deadline: float) -> None:
-        assert self._proc is not None
+    def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> None:
         client = VLLMClient(self.url)
         try:
             while not client.health(timeout=2.0):
-                if self._proc.poll() is not None:
+                if proc.poll() is not None:
                     raise EngineStartError(
-                        f"vLLM exited with status {self._proc.returncode} before it was ready", self.log_tail()
+                        f"vLLM exited with status {proc.returncode} before it was ready", self.log_tail()
                     )
                 if time.monotonic() >= deadline:
                     raise EngineStartError(
@@ -213,19 +220,29 @@ class VLLMProcess:
         finally:
             client.close()
 
+    def close(self) -> None:
+        """Stop vLLM for good: a ``start`` or ``restart`` racing this (in another thread) starts nothing
+        that outlives it, and later ones raise ``EngineStartError``."""
+        with self._lock:
+            self._closed = True
+        self.stop()
+
     def stop(self) -> None:
         """SIGTERM vLLM's process group, SIGKILL after ``stop_grace_s``; return once none of it is left."""
-        if self._proc is None:
+        proc = self._proc  # once: close() may stop it while a restart in another thread does too
+        if proc is None:
             return
-        pgid = self._proc.pid
+        pgid = proc.pid
         t0 = time.monotonic()
         self._signal_group(pgid, signal.SIGTERM)
-        if not self._wait_gone(pgid, self.config.stop_grace_s):
+        if not self._wait_gone(proc, self.config.stop_grace_s):
             log.warning("vLLM group %d still runs %.0f s after SIGTERM; killing it", pgid, self.config.stop_grace_s)
             self._signal_group(pgid, signal.SIGKILL)
-            if not self._wait_gone(pgid, 10.0):
+            if not self._wait_gone(proc, 10.0):
                 raise RuntimeError(f"vLLM's processes {group_pids(pgid)} (group {pgid}) survived SIGKILL")
-        self._proc = None
+        with self._lock:
+            if self._proc is proc:
+                self._proc = None
         log.info("vLLM at %s stopped in %.1f s", self.url, time.monotonic() - t0)
 
     def restart(self, model_dir: Path | None = None) -> None:
@@ -244,12 +261,11 @@ class VLLMProcess:
         except PermissionError as e:
             raise RuntimeError(f"cannot signal vLLM's process group {pgid}: {e}") from e
 
-    def _wait_gone(self, pgid: int, seconds: float) -> bool:
+    def _wait_gone(self, proc: subprocess.Popen[bytes], seconds: float) -> bool:
         deadline = time.monotonic() + seconds
         while True:
-            if self._proc is not None:
-                self._proc.poll()  # reap the leader, or it stays a zombie
-            if not group_pids(pgid):
+            proc.poll()  # reap the leader, or it stays a zombie
+            if not group_pids(proc.pid):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -47,3 +47,75 @@ def test_client_on_a_closed_port() -> None:
         with pytest.raises(EngineUnavailable) as err:
             client.served_models()
         assert err.value.status == 0
+
+
+FAKE_VLLM = """#!{python}
+# Stands in for vLLM's Python: serves /health and /v1/completions on --port, and takes a second to
+# exit on SIGTERM (as vLLM takes its time), so a close() can come while a restart is stopping it.
+import json, signal, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT = int(sys.argv[sys.argv.index("--port") + 1])
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))
+
+
+class Handler(BaseHTTPRequestHandler):
+    def _reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._reply({{}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._reply({{"choices": [{{"text": "x", "token_ids": [1]}}]}})
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
+"""
+
+
+def test_a_close_while_a_restart_stops_the_engine_leaves_nothing_running(tmp_path: Path) -> None:
+    """A gateway shutting down (close) while its monitor restarts a replica: the restart's start comes
+    after the close and must not leave an engine behind (it did: a vLLM outlived the test suite)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    proc = VLLMProcess(VLLMProcessConfig(python=fake, served_model_name="tiny", log_file=tmp_path / "vllm.log"))
+    proc.start(tmp_path / "model")
+    first = proc.pids()
+    assert first
+
+    raised: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            proc.restart()
+        except BaseException as e:  # noqa: BLE001 - what the monitor would see
+            raised.append(e)
+
+    restarting = threading.Thread(target=restart)
+    restarting.start()
+    time.sleep(0.3)  # the restart is stopping the engine (it takes a second to go)
+    proc.close()
+    restarting.join(30)
+    left = subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, text=True).stdout.split()
+    assert not left, f"an engine outlived close(): pids {left}"
+    assert len(raised) == 1 and isinstance(raised[0], EngineStartError) and "closed" in str(raised[0])
+    with pytest.raises(EngineStartError, match="was closed"):
+        proc.start(tmp_path / "model")
