@@ -4,6 +4,8 @@ Builds a realistic checkpoint pair (>= 1 GiB of bf16 weights plus small fp32/int
 Adam-like step at each learning rate), then runs every encode and apply as a whole process,
 alternating the codecs round by round, and prints the median wall time, peak RSS, delta size as
 a share of the full checkpoint, and ratios against Axolotl's encoder measured in the same run.
+Apply's floor is copying the folder it rebuilds: ``cp -r`` of it, and ``cp -r`` then ``sync`` of
+each file (apply fsyncs its output), in the same alternation.
 Axolotl's wheel is fetched with pip (``--no-deps``) into the data folder and its encoder module
 is imported from it (``bench/axolotl_encoder.py``); without the wheel its rows are skipped.
 The decompressed deltas of all encoders are compared byte for byte.
@@ -145,6 +147,12 @@ def main() -> None:
         subprocess.run([py, "-m", "posttrain", "chain", "encode", str(new), "--out", str(chain), "--base",
                         str(base), "--base-identity", "base", "--identity", "new"], check=True,
                        stdout=subprocess.DEVNULL)
+        # what apply writes, rebuilt once: the floor of apply is copying these bytes (cp), and
+        # copying them durably (cp, then fsync of each file, as apply fsyncs its output)
+        rebuilt = args.data / "rebuilt"
+        shutil.rmtree(rebuilt, ignore_errors=True)
+        subprocess.run([py, "-m", "posttrain", "chain", "apply", str(chain), "--version", "new", "--out",
+                        str(rebuilt)], check=True, stdout=subprocess.DEVNULL)
         naive_delta = args.data / "naive-delta"
         shutil.rmtree(naive_delta, ignore_errors=True)
         subprocess.run([py, str(ROOT / "bench" / "naive_codec.py"), "encode", str(new), str(base), str(naive_delta)],
@@ -159,6 +167,9 @@ def main() -> None:
                                                "new", "--out", str(w / "rec")],
             ("apply", "naive"): lambda w: [py, str(ROOT / "bench" / "naive_codec.py"), "apply", str(base),
                                            str(naive_delta), str(w / "rec")],
+            ("apply", "cp"): lambda w: ["cp", "-r", str(rebuilt), str(w / "copy")],
+            ("apply", "cp+fsync"): lambda w: ["sh", "-c", 'cp -r "$0" "$1" && sync "$1"/*', str(rebuilt),
+                                              str(w / "copy")],
         }
         if wheel is not None:
             cmds[("encode", "axolotl")] = lambda w: [py, str(ROOT / "bench" / "axolotl_encoder.py"), str(wheel),
@@ -188,7 +199,7 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         ax = med.get(("encode", "axolotl"))
         for op, codec in [("encode", "axolotl"), ("encode", "naive"), ("encode", "posttrain"), ("apply", "naive"),
-                          ("apply", "posttrain")]:
+                          ("apply", "posttrain"), ("apply", "cp"), ("apply", "cp+fsync")]:
             if (op, codec) not in med:
                 continue
             s = med[(op, codec)]
@@ -196,20 +207,30 @@ def main() -> None:
             rows.append(dict(lr=lr, op=op, codec=codec, seconds=s, runs=times[(op, codec)], gbs=raw / 1e9 / s,
                              cpu=statistics.median(cpu[(op, codec)]),
                              rss=max(rss[(op, codec)]), share=shares.get(codec) if op == "encode" else None,
-                             vs_naive=naive / s, vs_axolotl=ax / s if ax else None, load=f"{load_before} -> {load_after}"))
+                             vs_naive=naive / s, vs_axolotl=ax / s if ax else None,
+                             vs_cp=s / med[("apply", "cp")] if op == "apply" else None,
+                             vs_encode=med[("encode", "posttrain")] / s if (op, codec) == ("apply", "posttrain") else None,
+                             load=f"{load_before} -> {load_after}"))
     print()
     print(f"checkpoint: {raw / (1 << 30):.2f} GiB of tensors, {os.cpu_count()} cores; medians of {args.repeat} "
           f"alternated whole-process runs (CPU s: user + system, median); RSS budget 0.25 x checkpoint + 300 MiB = {0.25 * raw / (1 << 20) + 300:.0f} MiB")
     hdr = (f"| {'lr':>6} | {'op':6} | {'codec':9} | {'median s':>8} | {'runs s':>17} | {'GB/s':>5} | "
-           f"{'CPU s':>5} | {'peak RSS MiB':>12} | {'delta % of full':>15} | {'x naive':>7} | {'x Axolotl enc':>13} |")
+           f"{'CPU s':>5} | {'peak RSS MiB':>12} | {'delta % of full':>15} | {'x naive':>7} | {'x Axolotl enc':>13} | "
+           f"{'time / cp':>9} |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
     for r in rows:
         sh = f"{100 * r['share']:.2f}" if r["share"] is not None else "-"
         runs = " ".join(f"{x:.2f}" for x in r["runs"])
         vs_ax = f"{r['vs_axolotl']:.2f}x" if r["vs_axolotl"] else "-"
+        vs_cp = f"{r['vs_cp']:.2f}x" if r["vs_cp"] else "-"
+        vs_naive = f"{r['vs_naive']:6.2f}x" if r["codec"] not in ("cp", "cp+fsync") else "-"
         print(f"| {r['lr']:>6g} | {r['op']:6} | {r['codec']:9} | {r['seconds']:8.2f} | {runs:>17} | {r['gbs']:5.2f} | "
-              f"{r['cpu']:5.2f} | {r['rss']:12.0f} | {sh:>15} | {r['vs_naive']:6.2f}x | {vs_ax:>13} |")
+              f"{r['cpu']:5.2f} | {r['rss']:12.0f} | {sh:>15} | {vs_naive:>7} | {vs_ax:>13} | {vs_cp:>9} |")
+    for r in rows:
+        if r["vs_encode"]:
+            print(f"lr {r['lr']:g}: posttrain's apply runs at {r['vs_encode']:.2f}x the speed of its encode "
+                  f"(encode time / apply time), and takes {r['vs_cp']:.2f}x the time of cp of the rebuilt folder")
     for lr in args.lr:
         print(f"lr {lr:g}: load average (1/5/15 min) {next(r['load'] for r in rows if r['lr'] == lr)}")
     for lr, codec, verdict in checks:

@@ -19,6 +19,12 @@ a plain function now, train-step); every API request of the flow's clients is co
   API calls  requests to the Prefect API during the round (the last round's by endpoint, and
              the requests answered 503, are printed after each case's rounds)
 
+  floor      the same round without Prefect: the engine functions the tasks call (publish, hot-load,
+             each shard's sampling in a thread of its own, merge, a local step job) in a plain loop,
+             run in the same process before and after the flow (its rounds' median), on the same
+             store and inference server;
+             wall / floor is what Prefect costs the user per round
+
 A case DB:SHARDS:all starts every shard's subflow at once (as before the shards took turns on
 PostgreSQL): run it next to DB:SHARDS for a baseline measured in the same run.
 
@@ -242,12 +248,13 @@ def matrix(args: argparse.Namespace) -> None:
             subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
     baselines = {(db, shards): m for db, shards, starts, m, _, _ in results if starts == "all" and m}
     header = (f"{'server':>8} {'shards':>6} {'starts':>7} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
-              f"{'wall/overhead vs all':>20} "
+              f"{'floor s':>7} {'wall/floor':>10} {'wall/overhead vs all':>20} "
               f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'back-offs/round':>15} {'API calls':>9} {'start gap s':>11} {'end gap s':>9} "
               f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
     print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. starts: shards that start their subflows "
           "at once; vs all: this case's wall time and overhead over those of the same case with every shard "
-          "starting at once, measured in this run. start gap: hot-load end to the first "
+          "starting at once, measured in this run. floor: the same rounds without Prefect (the engine functions "
+          "the tasks call, in a plain loop, in the same process, before and after the flow). start gap: hot-load end to the first "
           "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
           "setup, final publish)")
     print(header)
@@ -259,9 +266,81 @@ def matrix(args: argparse.Namespace) -> None:
         base = baselines.get((db, shards)) if starts != "all" else None
         versus = f"{m['wall'] / base['wall']:.2f}x/{m['overhead'] / base['overhead']:.2f}x" if base else "-"
         print(f"{db:>8} {shards:>6} {starts:>7} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
-              f"{versus:>20} "
+              f"{m['floor']:>7.2f} {m['wall'] / m['floor']:>9.2f}x {versus:>20} "
               f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['answers_503']:>10.1f} {m['retries_503']:>15.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
               f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
+
+
+def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: Path) -> list[float]:
+    """The same rounds without Prefect: the engine functions the flow's tasks call, in a plain loop
+    (publish, hot-load, the round's shards in as many threads as shards, merge, a local step job),
+    on the same store, inference server and settings; each round's wall time, timed as the flow
+    times "round s" (publish to the step's checkpoint)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    import posttrain.pipeline.flows.grpo as grpo_module
+    from posttrain.cluster import LocalConfig
+    from posttrain.datasets.staging import read_staged_rows, stage_dataset
+    from posttrain.pipeline.blocks import InferenceDeployment, ObjectStore
+    from posttrain.rollouts.rounds import shard_specs
+    from posttrain.rollouts.shard import merge_rollouts, run_shard
+    from posttrain.runs.job import TrainingSettings
+    from posttrain.runs.once import job_name, submit_once, wait_for_result
+
+    # the blocks the flow loads, built here (their methods are the engines the tasks call)
+    store = ObjectStore(uri=str(store_dir))
+    deployment = InferenceDeployment(api_url=server_url, gateway_url=server_url, deployment_id="dep-bench",
+                                     model="tiny", token=token, timeout_s=300, poll_interval_s=0.2)
+    settings = settings.model_copy(update={"run_name": f"{settings.run_name}-floor-{work.name}",
+                                           "shared_dir": str(work / "shared")})
+    run_dir = settings.run_dir
+    staged = stage_dataset(settings.dataset, settings.shared_dir)
+    rows = read_staged_rows(staged.manifest_path)
+    cluster = LocalConfig(folder=str(work / "jobs"))
+    current, walls = settings.base_model, []
+    with ThreadPoolExecutor(settings.shards) as pool:
+        for r in range(settings.rounds):
+            t0 = time.perf_counter()
+            publisher = open_publisher_at(store, settings, run_dir)
+            with publisher:
+                snapshot = publisher.publish_step(Path(current), r)
+            with deployment.hot_loader() as loader:
+                loaded = loader.hot_load(snapshot.identity,
+                                         base_identity=snapshot.base if snapshot.kind == "delta" else None)
+            round_dir = run_dir / "rounds" / f"{r:04d}"
+            specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
+                                policy_version=r, round_dir=round_dir, identity=loaded.identity)
+
+            def shard(spec, tokenizer_dir=current):
+                client = deployment.completions()
+                try:
+                    return run_shard(spec, settings.rollout, client, AutoTokenizer.from_pretrained(tokenizer_dir))
+                finally:
+                    client.close()
+
+            results = list(pool.map(shard, specs))
+            rollouts = merge_rollouts([x.path for x in results], round_dir / "rollouts.jsonl")
+            trainer = grpo_module.step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts,
+                                               max_staleness=0)
+            job, _ = submit_once(TrainingSettings.for_pipeline(job_name(f"{settings.run_name}-step"), cluster, trainer),
+                                 round_dir / "train-job.json")
+            current = str(wait_for_result(job, cluster).checkpoint)
+            walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def open_publisher_at(store, settings, run_dir: Path):
+    """The flow's publisher (``open_publisher``'s settings) on a store block built here."""
+    from posttrain.chain.policy import ChainPolicy
+    from posttrain.publish import PublishConfig, Publisher
+
+    p = settings.publish
+    config = PublishConfig(run=settings.run_name, work_dir=run_dir / "publish", flavor=p.flavor,
+                           policy=ChainPolicy(max_deltas=p.max_deltas, delta_budget=p.delta_budget),
+                           max_shard_size=p.max_shard_size, retention=p.retention, async_publish=False)
+    return Publisher(store.open(), config, owns_store=True)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -307,10 +386,14 @@ def run(args: argparse.Namespace) -> dict:
             rollout={"num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
                      "reward_funcs": ["posttrain.rewards:correctness_reward"]},
             trainer={"learning_rate": 1e-3, "use_cpu": True},
+            trainer_job="per_round",  # a round is publish, hot-load, sample, one step job: as the floor's
         )
+        # the floor's rounds before and after the flow's: neither side has all the warm caches
+        floor = floor_rounds(settings, store, server.url, token, work / "floor-before")
         t0 = time.perf_counter()
         report = grpo_module.grpo(**to_parameters(settings))
         flow_wall = time.perf_counter() - t0
+        floor += floor_rounds(settings, store, server.url, token, work / "floor-after")
     finally:
         server.shutdown()
         shutil.rmtree(work, ignore_errors=True)
@@ -366,9 +449,12 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  {n:>5}  {call}")
     if CALLS_503:
         print("answered 503 (whole flow): " + ", ".join(f"{n} {c}" for c, n in Counter(c for _, c in CALLS_503).most_common()))
+    print(f"the same rounds without Prefect (floor_rounds, {args.rounds} before the flow and {args.rounds} after), "
+          "wall s: " + " ".join(f"{x:.2f}" for x in floor))
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}
+    return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
+            "floor": statistics.median(floor)}
 
 
 if __name__ == "__main__":

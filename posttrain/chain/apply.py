@@ -92,7 +92,7 @@ def apply_chain(
                 fds[path] = os.open(path, os.O_RDONLY)
             return fds[path]
 
-    targets: dict[str, tuple[int, int]] = {}
+    targets: dict[str, tuple[int, int, threading.Lock]] = {}
     out_fds: list[int] = []
     try:
         if out is not None:
@@ -106,8 +106,13 @@ def apply_chain(
                 out_fds.append(fd)
                 _pwrite_all(fd, memoryview(layout.header), 0)
                 preallocate(fd, layout.size)
+                # One writer per file at a time: a write holds the file's inode lock while it copies,
+                # and a second thread writing the same file spins on that lock in the kernel, burning
+                # the CPU the first one needs (perf: a third of apply's time, and most of its variance).
+                # Waiting on this lock sleeps instead, and the thread decodes while another writes.
+                file_lock = threading.Lock()
                 for i in infos:
-                    targets[i.name] = (fd, layout.offsets[i.name])
+                    targets[i.name] = (fd, layout.offsets[i.name], file_lock)
 
         def run(name: str) -> tuple[str, str]:
             info = base.tensors[name]
@@ -142,7 +147,7 @@ def _interleave_files(base: Checkpoint) -> list[str]:
 def _apply_tensor(
     info: TensorInfo,
     chain: list[tuple[DeltaSnapshot, DeltaEntry]],
-    target: tuple[int, int] | None,
+    target: tuple[int, int, threading.Lock] | None,
     local: _Local,
     frame_fd,
     progress: Progress | None,
@@ -174,7 +179,8 @@ def _apply_tensor(
                     checksum.update(work)
                 digest.update(work)
                 if target is not None:
-                    _pwrite_all(target[0], work, target[1] + pos + start)
+                    with target[2]:
+                        _pwrite_all(target[0], work, target[1] + pos + start)
             if target is not None:
                 write_behind(target[0], target[1] + pos, m)
             pos += m

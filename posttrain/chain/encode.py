@@ -165,7 +165,7 @@ def write_full(
     names = list(new.tensors)
     groups = _greedy_shards([(n, new.tensors[n].nbytes) for n in names], max_shard_bytes)
     weight_map: dict[str, str] = {}
-    targets: dict[str, tuple[int, int]] = {}  # tensor -> (fd, offset)
+    targets: dict[str, tuple[int, int, threading.Lock]] = {}  # tensor -> (fd, offset, the file's write lock)
     fds: list[int] = []
     files: dict[str, int] = {}
     readers: list[ChunkReader] = []
@@ -180,18 +180,20 @@ def write_full(
             _pwrite_all(fd, memoryview(layout.header), 0)
             preallocate(fd, layout.size)
             files[fname] = layout.size
+            file_lock = threading.Lock()  # one writer per file at a time: see apply_chain's
             for n in group:
                 weight_map[n] = fname
-                targets[n] = (fd, layout.offsets[n])
+                targets[n] = (fd, layout.offsets[n], file_lock)
 
         def copy(name: str) -> TensorResult:
             info = new.tensors[name]
-            fd, offset = targets[name]
+            fd, offset, file_lock = targets[name]
             digest = xxhash.xxh3_128()
             pos = 0
             for chunk in local.new.chunks(info):
                 digest.update(chunk)
-                _pwrite_all(fd, chunk, offset + pos)
+                with file_lock:
+                    _pwrite_all(fd, chunk, offset + pos)
                 write_behind(fd, offset + pos, len(chunk))
                 pos += len(chunk)
                 if progress:
