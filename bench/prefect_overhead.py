@@ -1,42 +1,32 @@
-"""Benchmark: Prefect's orchestration overhead per GRPO round (rollout shards as mapped subflows).
+"""Benchmark: what Prefect costs a GRPO round, against the same round without Prefect.
 
-Runs the ``grpo`` flow against a Prefect server, with the tiny model, toy prompts, a folder store,
-the in-process reference inference server and a local training process. Every task body of a
-round is timed by wrapping the task's function (publish-checkpoint, hot-load, the ``rollout-shard``
-tasks, the sampling inside each shard's subflow: ``sample_and_score``, a task in earlier versions,
-a plain function now, train-step); every API request of the flow's clients is counted. Per round:
+Runs the ``grpo`` flow (``trainer_job: per_round``) against a Prefect server, with the tiny model,
+toy prompts, a folder store, the in-process reference inference server and a local training
+process, then the same rounds without Prefect. Every task body of a round is timed by wrapping the
+task's function (publish-checkpoint, hot-load, the ``rollout-shard`` tasks, train-step); every API
+request of the flow's clients is counted. Per round:
 
   wall       the round as the flow timed it ("round s" of its table: publish to training step)
+  floor      the same round without Prefect: the engine functions the tasks call (publish, hot-load,
+             each shard's sampling in a thread of its own, merge, a local step job) in a plain loop,
+             run in the same process before and after the flow (the median of those rounds), on the
+             same store and inference server; wall / floor is what Prefect costs the user
   bodies     time during which at least one task body ran (union of the body intervals)
-  overhead   wall - bodies: time in which only Prefect ran (creating runs, states, subflows, results)
-  per run    overhead / Prefect runs of the round (tasks + subflows: 2 per shard, 3 with a
-             sample-and-score task)
-  sample     sum and union of the sample-and-score bodies (they share one inference server)
-  subflow    mean of (rollout-shard task body - its sample-and-score body): one subflow's cost
-  503s       API answers "retry later" (SQLite busy), each retried: by posttrain's quick retry
-             (tens of ms) for a subflow's parent task run, else by Prefect's client
-  back-offs  those Prefect's client backed off on (2, 4, 8 s)
+  overhead   wall - bodies: time in which only Prefect ran (creating runs, states, results)
+  per run    overhead / Prefect task runs of the round (publish, hot-load, one per shard, train)
+  sample     sum and union of the shard bodies (they share one inference server)
+  503s       API answers "retry later" (SQLite busy); back-offs: those Prefect's client backed off
+             on (2, 4, 8 s)
   API calls  requests to the Prefect API during the round (the last round's by endpoint, and
              the requests answered 503, are printed after each case's rounds)
 
-  floor      the same round without Prefect: the engine functions the tasks call (publish, hot-load,
-             each shard's sampling in a thread of its own, merge, a local step job) in a plain loop,
-             run in the same process before and after the flow (its rounds' median), on the same
-             store and inference server;
-             wall / floor is what Prefect costs the user per round
-
-A case DB:SHARDS:all starts every shard's subflow at once (as before the shards took turns on
-PostgreSQL): run it next to DB:SHARDS for a baseline measured in the same run.
-
 By default it runs a matrix, each case in a process of its own against a server it starts on its
 own port and state folder (scripts/services/start-postgres.sh, start-prefect.sh) and stops at the
-end: Prefect on PostgreSQL with 8, 32 and 64 shards, then on embedded SQLite with 8 shards, each
-with the flow's turns and, as the baseline, all at once. It prints every case's rounds, then one
-line per case with the medians over its rounds, the ratios of its wall time and overhead to its
-baseline's, and the load average (1 min) before and after the case. No assertions. About 15
-minutes on 2 CPUs.
+end: Prefect on PostgreSQL with 8, 32 and 64 shards, then on embedded SQLite with 8 shards. It
+prints every case's rounds, then one line per case with the medians over its rounds, its floor,
+and the load average (1 min) before and after the case. No assertions. About 12 minutes on 2 CPUs.
 
-    .venv/bin/python bench/prefect_overhead.py [--cases postgres:8:all,postgres:8,...,sqlite:8]
+    .venv/bin/python bench/prefect_overhead.py [--cases postgres:8,postgres:64,sqlite:8]
         [--rounds 3] [--ports 4320,4321] [--postgres-port 55432] [--state-dir DIR]
     # one case against a server that runs already:
     PREFECT_API_URL=http://127.0.0.1:4200/api POSTTRAIN_PREFECT_DB=sqlite .venv/bin/python \
@@ -118,7 +108,7 @@ def timed(task_obj, label: str, round_of, shard_of=None, module=None) -> None:
     """Wrap the task's function so every call records its body interval (a plain function: the
     module's attribute, as the flow looks it up)."""
     inner = getattr(task_obj, "fn", task_obj)
-    sig = inspect.signature(getattr(inner, "fn", inner))  # a task around a subflow wraps the Flow
+    sig = inspect.signature(getattr(inner, "fn", inner))
 
     def wrapper(*args, **kwargs):
         named = sig.bind(*args, **kwargs).arguments
@@ -159,10 +149,8 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="postgres:8:all,postgres:8,postgres:32:all,postgres:32,postgres:64:all,postgres:64,sqlite:8:all,sqlite:8",
-                    help="comma-separated DB:SHARDS[:STARTS] (DB: postgres or sqlite; STARTS: how many shards "
-                         "start their subflows at once, POSTTRAIN_SUBFLOW_STARTS, a number or 'all'; default: "
-                         "the flow's for that database)")
+    ap.add_argument("--cases", default="postgres:8,postgres:32,postgres:64,sqlite:8",
+                    help="comma-separated DB:SHARDS (DB: postgres or sqlite)")
     ap.add_argument("--shards", type=int, help="one case, against $PREFECT_API_URL (no server started)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts-per-shard", type=int, default=2)
@@ -205,7 +193,7 @@ def own_children_cpu() -> float:
 
 
 def matrix(args: argparse.Namespace) -> None:
-    cases = [(f[0], int(f[1]), f[2] if len(f) > 2 else "") for f in (c.split(":") for c in args.cases.split(","))]
+    cases = [(f[0], int(f[1])) for f in (c.split(":") for c in args.cases.split(","))]
     sqlite_port, pg_port = (int(p) for p in args.ports.split(","))
     state = Path(args.state_dir)
     scripts = ROOT / "scripts/services"
@@ -218,19 +206,17 @@ def matrix(args: argparse.Namespace) -> None:
     started: list[tuple[str, dict]] = []
     results = []
     try:
-        for db, shards, starts in cases:
+        for db, shards in cases:
             port, home = servers[db]
             env = {**base_env, "POSTTRAIN_PREFECT_DB": db, "PREFECT_PORT": str(port),
                    "POSTTRAIN_PREFECT_DIR": str(home)}
-            if starts:
-                env["POSTTRAIN_SUBFLOW_STARTS"] = str(shards if starts == "all" else int(starts))
             if db == "postgres" and not any(s == "stop-postgres.sh" for s, _ in started):
                 subprocess.run(["bash", str(scripts / "start-postgres.sh")], env=env, check=True)
                 started.append(("stop-postgres.sh", env))
             if not any(s == "stop-prefect.sh" and e["PREFECT_PORT"] == str(port) for s, e in started):
                 subprocess.run(["bash", str(scripts / "start-prefect.sh")], env=env, check=True)
                 started.insert(0, ("stop-prefect.sh", env))
-            out = state / f"summary-{db}-{shards}-{starts}.json"
+            out = state / f"summary-{db}-{shards}.json"
             out.unlink(missing_ok=True)
             load0, server0, client0 = loadavg(), cpu_seconds(home / "server.pid"), own_children_cpu()
             child = [sys.executable, __file__, "--shards", str(shards), "--rounds", str(args.rounds),
@@ -242,32 +228,26 @@ def matrix(args: argparse.Namespace) -> None:
             if summary is not None:  # the whole flow: the rounds, the final publish and hot-load, setup
                 summary["server_cpu"] = cpu_seconds(home / "server.pid") - server0
                 summary["client_cpu"] = own_children_cpu() - client0
-            results.append((db, shards, starts or "default", summary, load0, loadavg()))
+            results.append((db, shards, summary, load0, loadavg()))
     finally:
         for script, env in started:
             subprocess.run(["bash", str(scripts / script)], env=env, capture_output=True)
-    baselines = {(db, shards): m for db, shards, starts, m, _, _ in results if starts == "all" and m}
-    header = (f"{'server':>8} {'shards':>6} {'starts':>7} {'rounds':>6} {'wall s':>7} {'overhead s':>10} {'overhead %':>10} "
-              f"{'floor s':>7} {'wall/floor':>10} {'wall/overhead vs all':>20} "
-              f"{'per run ms':>10} {'subflow ms':>10} {'503s/round':>10} {'back-offs/round':>15} {'API calls':>9} {'start gap s':>11} {'end gap s':>9} "
-              f"{'CPU s server/flow':>17} {'load 1m before/after':>21}")
-    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. starts: shards that start their subflows "
-          "at once; vs all: this case's wall time and overhead over those of the same case with every shard "
-          "starting at once, measured in this run. floor: the same rounds without Prefect (the engine functions "
-          "the tasks call, in a plain loop, in the same process, before and after the flow). start gap: hot-load end to the first "
-          "sample's start; end gap: last sample's end to training's start; CPU: the whole case (all rounds, "
-          "setup, final publish)")
+    header = (f"{'server':>8} {'shards':>6} {'rounds':>6} {'wall s':>7} {'floor s':>7} {'wall/floor':>10} "
+              f"{'overhead s':>10} {'overhead %':>10} {'per run ms':>10} {'503s/round':>10} {'back-offs/round':>15} "
+              f"{'API calls':>9} {'start gap s':>11} {'end gap s':>9} {'CPU s server/flow':>17} {'load 1m before/after':>21}")
+    print(f"\nmedians over the rounds of each case; {os.cpu_count()} CPUs. floor: the same rounds without Prefect "
+          "(the engine functions the tasks call, in a plain loop, in the same process, before and after the flow). "
+          "start gap: hot-load end to the first sample's start; end gap: last sample's end to training's start; "
+          "CPU: the whole case (all rounds, setup, final publish, the floor's rounds)")
     print(header)
     print("-" * len(header))
-    for db, shards, starts, m, l0, l1 in results:
+    for db, shards, m, l0, l1 in results:
         if m is None:
-            print(f"{db:>8} {shards:>6} {starts:>7}  failed")
+            print(f"{db:>8} {shards:>6}  failed")
             continue
-        base = baselines.get((db, shards)) if starts != "all" else None
-        versus = f"{m['wall'] / base['wall']:.2f}x/{m['overhead'] / base['overhead']:.2f}x" if base else "-"
-        print(f"{db:>8} {shards:>6} {starts:>7} {m['rounds']:>6} {m['wall']:>7.2f} {m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} "
-              f"{m['floor']:>7.2f} {m['wall'] / m['floor']:>9.2f}x {versus:>20} "
-              f"{m['per_run_ms']:>10.0f} {m['subflow_ms']:>10.0f} {m['answers_503']:>10.1f} {m['retries_503']:>15.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
+        print(f"{db:>8} {shards:>6} {m['rounds']:>6} {m['wall']:>7.2f} {m['floor']:>7.2f} {m['wall'] / m['floor']:>9.2f}x "
+              f"{m['overhead']:>10.2f} {m['overhead_pct']:>10.1f} {m['per_run_ms']:>10.0f} {m['answers_503']:>10.1f} "
+              f"{m['retries_503']:>15.1f} {m.get('api_calls', float('nan')):>9.0f} {m['gap_start']:>11.2f} "
               f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
 
@@ -363,8 +343,7 @@ def run(args: argparse.Namespace) -> dict:
 
     timed(publishing.publish_checkpoint, "publish", lambda a: a["step"])
     timed(publishing.hot_load, "hot-load", lambda a: a["snapshot"].step)
-    timed(rollouts.rollout_shard_task, "shard-task", lambda a: a["spec"].round, lambda a: a["spec"].shard)
-    timed(rollouts.sample_and_score, "sample", lambda a: a["spec"].round, lambda a: a["spec"].shard, rollouts)
+    timed(rollouts.rollout_shard_task, "sample", lambda a: a["spec"].round, lambda a: a["spec"].shard)
     timed(training.train_step, "train", lambda a: a["round"])
 
     work = Path(tempfile.mkdtemp(prefix="posttrain-prefect-bench-"))
@@ -398,11 +377,10 @@ def run(args: argparse.Namespace) -> dict:
         server.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
-    # publish, hot-load, per shard (task, subflow, and its sample-and-score task where there is one), train
-    runs_per_round = 1 + 1 + (3 if hasattr(rollouts.sample_and_score, "fn") else 2) * args.shards + 1
+    runs_per_round = 1 + 1 + args.shards + 1  # publish, hot-load, a task per shard, train
     header = (f"{'round':>5} {'wall s':>7} {'bodies s':>8} {'overhead s':>10} {'overhead %':>10} "
               f"{'runs':>4} {'per run ms':>10} {'per shard ms':>12} {'sample sum s':>12} {'sample union s':>14} "
-              f"{'subflow ms':>10} {'503s':>4} {'back-offs':>9} {'gaps s: pub>load load>sample sample>train':>42}")
+              f"{'503s':>4} {'back-offs':>9} {'gaps s: pub>load load>sample sample>train':>42}")
     print()
     print(f"GRPO, {args.shards} shards x {args.prompts_per_shard} prompts x {args.num_generations} completions, "
           f"{args.rounds} rounds, Prefect API {os.environ['PREFECT_API_URL']} "
@@ -414,9 +392,8 @@ def run(args: argparse.Namespace) -> dict:
     for row in report.rounds:
         r = row["round"]
         bodies = [b for b in BODIES if b[1] == r]
-        outer = [(s, e) for label, _, s, e, _ in bodies if label != "shard-task"]  # shard tasks hold subflows
+        outer = [(s, e) for _, _, s, e, _ in bodies]
         samples = [b for b in bodies if b[0] == "sample"]
-        shard_tasks = {b[4]: b for b in bodies if b[0] == "shard-task"}
         window = (min(s for s, _ in outer), max(e for _, e in outer))
         retries = sum(window[0] <= t <= window[1] for t in RETRIES_503)
         answers = sum(window[0] <= t <= window[1] for t, _ in CALLS_503)
@@ -425,21 +402,18 @@ def run(args: argparse.Namespace) -> dict:
         wall = row["round s"]
         busy = union(outer)
         overhead = wall - busy
-        subflow = [(shard_tasks[b[4]][3] - shard_tasks[b[4]][2]) - (b[3] - b[2])
-                   for b in samples if b[4] in shard_tasks]
         # where the overhead sits: publish end -> hot-load start, hot-load end -> first sample start
-        # (shard tasks and subflows created), last sample end -> training start (subflows completed)
+        # (shard task runs created), last sample end -> training start (shard results gathered)
         first = {label: min(s for lb, _, s, _, _ in bodies if lb == label) for label in ("hot-load", "sample", "train")}
         last = {label: max(e for lb, _, _, e, _ in bodies if lb == label) for label in ("publish", "hot-load", "sample")}
         gaps = (first["hot-load"] - last["publish"], first["sample"] - last["hot-load"], first["train"] - last["sample"])
         print(f"{r:>5} {wall:>7.2f} {busy:>8.2f} {overhead:>10.2f} {100 * overhead / wall:>10.1f} "
               f"{runs_per_round:>4} {1000 * overhead / runs_per_round:>10.0f} {1000 * overhead / args.shards:>12.0f} "
               f"{sum(e - s for _, _, s, e, _ in samples):>12.2f} {union([(s, e) for _, _, s, e, _ in samples]):>14.2f} "
-              f"{1000 * statistics.fmean(subflow) if subflow else float('nan'):>10.0f} {answers:>4} {retries:>9} "
+              f"{answers:>4} {retries:>9} "
               f"{gaps[0]:>12.2f} {gaps[1]:>12.2f} {gaps[2]:>12.2f}")
         rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
                      "per_run_ms": 1000 * overhead / runs_per_round,
-                     "subflow_ms": 1000 * statistics.fmean(subflow) if subflow else float("nan"),
                      "retries_503": retries, "answers_503": answers, "api_calls": len(calls), "gap_start": gaps[1], "gap_end": gaps[2]})
     from collections import Counter
 

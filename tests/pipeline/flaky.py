@@ -42,9 +42,9 @@ def round_failing_reward(completions: list, **kwargs) -> list[float]:
     a marker file exists (``POSTTRAIN_TEST_FAIL_ROUND=<round>:<file>``); scores by length otherwise."""
     spec = os.environ.get(FAIL_ROUND_MARKER_ENV)
     if spec:
-        from prefect.runtime import flow_run
+        from prefect.runtime import task_run
 
-        round, marker = spec.split(":", 1)
-        if os.path.exists(marker) and str(flow_run.name or "").startswith(f"round-{round}-"):
+        round, marker = spec.split(":", 1)  # the shard's task run is named round-<r>-shard-<s>
+        if os.path.exists(marker) and str(task_run.name or "").startswith(f"round-{round}-"):
             raise ValueError(f"injected: round {round}'s reward fails while {marker} exists")
     return [float(len(c if isinstance(c, str) else str(c))) for c in completions]

@@ -122,16 +122,20 @@ def task_runs(flow_run_id: str | UUID, settle_s: float = 1.5, timeout: float = 2
             runs = again
 
 
-def subflow_runs(parent_flow_run_id: str | UUID, flow_name: str) -> list:
-    """Flow runs of ``flow_name`` whose parent is the given flow run."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
+def shard_runs(flow_run_id: str | UUID) -> dict:
+    """The flow run's ``rollout-shard`` task runs by name (``round-<r>-shard-<s>``)."""
+    return {t.name: t for t in task_runs(flow_run_id) if t.name.startswith("round-") and "-shard-" in t.name}
 
-    with get_client(sync_client=True) as client:
-        return client.read_flow_runs(
-            flow_filter=FlowFilter(name={"any_": [flow_name]}),
-            flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [UUID(str(parent_flow_run_id))]}),
-        )
+
+def flow_run_logs_until(flow_run_id: str | UUID, text: str, timeout: float = 15) -> list[str]:
+    """The flow run's log messages once one holds ``text`` (logs reach the API in the background),
+    or as they are after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = flow_run_logs(flow_run_id)
+        if any(text in m for m in logs) or time.monotonic() > deadline:
+            return logs
+        time.sleep(0.5)
 
 
 def flow_run_logs(flow_run_id: str | UUID, since: datetime | None = None) -> list[str]:

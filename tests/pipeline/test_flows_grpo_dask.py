@@ -2,9 +2,9 @@
 a round's shards on a local Dask cluster of two worker processes started here (``dask_address``).
 
 Each shard task is pickled to a worker with the flow run's context; there it starts its
-``rollout-shard`` subflow against the Prefect server, samples from the reference inference server
+``rollout-shard`` task against the Prefect server, samples from the reference inference server
 and scores with the toy rewards of tests/pipeline/flaky.py. What ran where is read from the Dask
-scheduler's task stream; what ran when, from the Prefect server (subflow and task runs)."""
+scheduler's task stream; what ran when, from the Prefect server (the task runs and their states)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
-from tests.pipeline.runs import flow_run_logs, overlapping, subflow_runs, task_runs
+from tests.pipeline.runs import flow_run_logs, flow_run_logs_until, overlapping, shard_runs
 from tests.pipeline.test_flows_grpo_shards import grpo_settings, run_grpo
 
 pytestmark = pytest.mark.slow
@@ -46,11 +46,11 @@ def dask_settings(setup, run_name: str, cluster, *, shards: int, reward_funcs: l
 
 
 def shard_tasks_by_worker(stream: list[dict]) -> dict[str, int]:
-    """The Dask tasks of the shards in a task stream (keys ``_rollout_shard-<token>``, after the
+    """The Dask tasks of the shards in a task stream (keys ``sample_and_score-<token>``, after the
     task's function), counted per worker address."""
     counts: dict[str, int] = {}
     for t in stream:
-        if str(t["key"]).startswith("_rollout_shard-"):
+        if str(t["key"]).startswith("sample_and_score-"):
             counts[t["worker"]] = counts.get(t["worker"], 0) + 1
     return counts
 
@@ -72,21 +72,17 @@ def test_the_shards_of_a_round_run_on_both_dask_workers(tiny_setup, dask_cluster
     assert sum(by_worker.values()) == 4, stream.data
     assert set(by_worker) == set(cluster.scheduler_info["workers"]), by_worker
 
-    # Their subflows ran on the workers, two at a time: 4 shards of 2 s in about 2 x 2 s. On the
-    # flow's threads all four would overlap; one after the other, none would.
-    subflows = subflow_runs(flow_run_id, "rollout-shard")
-    assert sorted(r.name for r in subflows) == [f"round-0-shard-{s}" for s in range(4)]
-    assert all(r.state.is_completed() for r in subflows)
-    intervals = [(r.start_time.timestamp(), r.end_time.timestamp()) for r in subflows]
-    spans = {r.name: f"{r.start_time:%H:%M:%S.%f} .. {r.end_time:%H:%M:%S.%f}" for r in subflows}
+    # They ran on the workers, two at a time: 4 shards of 2 s in about 2 x 2 s. On the flow's
+    # threads all four would overlap; one after the other, none would.
+    shards = shard_runs(flow_run_id)
+    assert sorted(shards) == [f"round-0-shard-{s}" for s in range(4)]
+    assert all(r.state.is_completed() and r.run_count == 1 for r in shards.values())
+    intervals = [(r.start_time.timestamp(), r.end_time.timestamp()) for r in shards.values()]
+    spans = {name: f"{r.start_time:%H:%M:%S.%f} .. {r.end_time:%H:%M:%S.%f}" for name, r in shards.items()}
     assert overlapping(intervals) == WORKERS, f"not two shards at a time: {spans}"
     busy = sum(e - s for s, e in intervals)
     wall = max(e for _, e in intervals) - min(s for s, _ in intervals)
     assert busy >= 4 * SLOW_S and wall < busy, spans
-
-    shard_tasks = [t for t in task_runs(flow_run_id) if t.name.startswith("shard-")]
-    assert sorted(t.name for t in shard_tasks) == [f"shard-{s}" for s in range(4)]
-    assert all(t.state.is_completed() and t.run_count == 1 for t in shard_tasks)
 
     # Each shard's log line (its task run's, in the flow run), sent to the API from its worker,
     # names the process that ran it (ShardResult.worker).
@@ -117,20 +113,15 @@ def test_a_failing_shard_on_dask_is_retried_alone(tiny_setup, dask_cluster):
     assert pid in worker_pids, (pid, worker_pids)
     assert sum(shard_tasks_by_worker(stream.data).values()) == 3, stream.data
 
-    shard_tasks = {t.name: t for t in task_runs(flow_run_id) if t.name.startswith("shard-")}
-    assert sorted(shard_tasks) == ["shard-0", "shard-1", "shard-2"]
-    assert all(t.state.is_completed() for t in shard_tasks.values())
-    counts = {name: t.run_count for name, t in shard_tasks.items()}
-    assert sorted(counts.values()) == [1, 1, 2], counts
-    (flaky,) = [int(name.split("-")[1]) for name, n in counts.items() if n == 2]
-
-    # Two subflow runs of the flaky shard (failed, then completed); one of each other shard.
-    by_shard: dict[int, list] = {}
-    for r in subflow_runs(flow_run_id, "rollout-shard"):
-        by_shard.setdefault(int(r.name.rsplit("-", 1)[1]), []).append(r)
-    assert {s: len(runs) for s, runs in by_shard.items()} == {s: 2 if s == flaky else 1 for s in range(3)}
-    failed = [r for r in by_shard[flaky] if r.state.is_failed()]
-    assert len(failed) == 1 and "ConnectionError" in (failed[0].state.message or "")
+    shards = shard_runs(flow_run_id)
+    assert sorted(shards) == ["round-0-shard-0", "round-0-shard-1", "round-0-shard-2"]
+    assert all(t.state.is_completed() for t in shards.values())
+    counts = {name: t.run_count for name, t in shards.items()}
+    assert sorted(counts.values()) == [1, 1, 2], counts  # the flaky shard ran again; the others once
+    (flaky,) = [name for name, n in counts.items() if n == 2]
+    # the failed attempt's reason and the retry, in the run's logs (task-run states carry no message)
+    logs = flow_run_logs_until(flow_run_id, "Retry 1/2")
+    assert any("ConnectionError" in m and "Retry 1/2" in m for m in logs), logs
 
     # The round merged all three shards.
     name = f"flows-grpo-dask-flaky-{str(flow_run_id).replace('-', '')[:8]}"

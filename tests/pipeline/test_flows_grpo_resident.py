@@ -17,7 +17,6 @@ from tests.pipeline.runs import (
     prefect_cli,
     run_folder,
     start_deployment,
-    subflow_runs,
     task_runs,
     wait_final,
     wait_not_final,
@@ -160,7 +159,7 @@ def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(pr
     assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     # Rounds 0 and 1 were not sampled or trained again: their files untouched, their shards ran once.
     assert mtimes(kept) == before
-    shards = [r.name for r in subflow_runs(flow_run_id, "rollout-shard")]
+    shards = [r.name for r in task_runs(flow_run_id)]
     assert shards.count("round-0-shard-0") == shards.count("round-1-shard-0") == 1, shards
     assert shards.count("round-2-shard-0") >= 3, shards  # failed twice, then sampled again
     logs = flow_run_logs(flow_run_id)

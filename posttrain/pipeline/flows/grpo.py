@@ -1,5 +1,5 @@
 """The GRPO flow: each round publishes and hot-loads the current weights, samples rollout shards
-from the deployment as concurrent subflows, then trains one step on the cluster. The shards run on
+from the deployment as concurrent tasks (``rollout-shard``), then trains one step on the cluster. The shards run on
 the flow's own task runner (threads in its process) or, with ``task_runner: dask``, on a Dask
 cluster (``shard_runner``; docs/prefect.md).
 

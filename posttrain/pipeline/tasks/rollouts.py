@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
-from prefect import flow, get_run_logger, task, unmapped
-from prefect.client.orchestration import PrefectClient
-from prefect.context import AsyncClientContext, SyncClientContext
+from prefect import get_run_logger, task, unmapped
 from prefect.futures import PrefectFutureList
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 from prefect.tasks import exponential_backoff
-from prefect.utilities.asyncutils import run_coro_as_sync
 
-from posttrain.pipeline.tasks.api_retry import quick_retry_creates
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
-from posttrain.pipeline.tasks.turns import TURNS
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
 
 # The shards of a round load the inference block once per process (one API call instead of one
@@ -50,9 +44,8 @@ def _load_tokenizer(path: str):
 
 
 def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
-    """The shard's work: sample from the deployment, score, write the rollouts. A plain function
-    that the subflow calls, not a task of its own: the subflow's state is the work's, and a task
-    run inside it cost the server a task run and three state events per shard."""
+    """One shard of a round: sample ``num_generations`` completions per prompt from the deployment,
+    score them, write the rollouts (the ``rollout-shard`` task's body)."""
     deployment = _round_block(inference, spec)
     tokenizer = _load_tokenizer(tokenizer_dir)
     client = deployment.completions()
@@ -66,76 +59,16 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
     return result
 
 
-@flow(name="rollout-shard", flow_run_name="round-{spec.round}-shard-{spec.shard}")
-def rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
-    """One shard of a round: sample num_generations completions per prompt, score them."""
-    TURNS.started()
-    try:
-        return sample_and_score(spec, settings, inference, tokenizer_dir)
-    finally:
-        TURNS.finishing()
-
-
-def subflow_settings() -> dict:
-    """Prefect settings for the shards' subflows: no flow-run heartbeats
-    (``flows.heartbeat_frequency``: None). Prefect's sync engine joins a subflow's heartbeat
-    thread when the subflow's body returns, and that thread sleeps in 1 s steps, so every shard
-    ended 0-1 s late (the slowest of a round's shards nearly a whole second). The parent flow
-    runs in the same process and keeps its heartbeats, so a crashed process is still seen."""
-    return {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
-
-
-# Prefect creates a subflow's parent task run (the run that tracks the subflow in the parent flow)
-# on its shared event-loop thread, with the async client of the context, else a new one: a new
-# client per shard costs a TLS context (Prefect loads the CA certificates even for an http://
-# API: ~20 ms of CPU), a new connection, and a CSRF-token request (Prefect's client asks before
-# its first write, even where the server checks none). The shards of a process share one client
-# on that loop instead, opened once per API (URL, key, CSRF setting) and left open for the
-# process's life.
-_CLIENTS: dict[tuple, PrefectClient] = {}
-_CLIENTS_LOCK = threading.Lock()
-
-
-def _secret(value) -> str | None:
-    return value.get_secret_value() if value else None
-
-
-def _parent_task_client() -> PrefectClient | None:
-    """This process's client for the subflows' parent task runs; None with Prefect's ephemeral
-    API (no PREFECT_API_URL), which Prefect serves with clients of its own."""
-    api = get_current_settings().api
-    if not api.url:
-        return None
-    key = (str(api.url), _secret(api.key), _secret(api.auth_string),
-           get_current_settings().client.csrf_support_enabled)
-    with _CLIENTS_LOCK:
-        client = _CLIENTS.get(key)
-        if client is None or client._closed:  # noqa: SLF001 - closed by someone else: open another
-
-            async def open_on_loop() -> PrefectClient:  # on Prefect's loop, where create_run asks
-                client = PrefectClient(str(api.url), api_key=_secret(api.key), auth_string=_secret(api.auth_string))
-                quick_retry_creates(client)
-                await client.__aenter__()
-                return client
-
-            client = _CLIENTS[key] = run_coro_as_sync(open_on_loop())
-        return client
-
-
-def _rollout_shard(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
-    with TURNS.shard_task(), temporary_settings(updates=subflow_settings()):
-        if (flow_client := SyncClientContext.get()) is not None:  # the subflow's engine creates its run with it
-            quick_retry_creates(flow_client.client)
-        client = _parent_task_client()
-        with AsyncClientContext.model_construct(client=client) if client else nullcontext():
-            return rollout_shard(spec, settings, inference, tokenizer_dir)
-
-
-# A task around the subflow: .map() runs the round's shards concurrently, and a failing shard is
-# retried alone (its task re-runs only its own subflow).
+# One task per shard, mapped: the round's shards run concurrently and a failing shard is retried
+# alone. A task, not a subflow: Prefect 3 records a task run's states as events, with no API
+# request of its own, while a subflow cost about nine requests to start and end (a parent task
+# run, the flow run, its states: 73 per round of 8 shards, 527 of 64) and, on SQLite, 503s that
+# the shards had to take turns to avoid. Measured by bench/prefect_overhead.py against the same
+# rounds without Prefect: 64 shards on PostgreSQL took 1.93x that floor as subflows, 1.14x as
+# tasks (docs/prefect.md).
 rollout_shard_task = task(
-    _rollout_shard, name="rollout-shard", retries=2, retry_delay_seconds=exponential_backoff(1),
-    retry_condition_fn=transient_only, task_run_name="shard-{spec.shard}",
+    sample_and_score, name="rollout-shard", retries=2, retry_delay_seconds=exponential_backoff(1),
+    retry_condition_fn=transient_only, task_run_name="round-{spec.round}-shard-{spec.shard}",
 )
 
 
@@ -149,9 +82,9 @@ def shard_runner(task_runner: str, dask_address: str | None = None, dask_workers
 
     A flow's task runner is fixed by its ``@flow`` decorator; the GRPO flow keeps the default and
     maps the shards on this one instead. Each shard task is pickled to a Dask worker with the flow
-    run's context (the API's settings, the parent flow run): it loads the inference block by name,
-    opens its own API client, and takes the subflow-start turns of its own process (``TURNS``).
-    Prefect retries a failing shard inside its Dask task, on the same worker, alone."""
+    run's context (the API's settings, the parent flow run): it loads the inference block by name
+    and opens its own API client. Prefect retries a failing shard inside its Dask task, on the same
+    worker, alone."""
     if task_runner == "threads":
         yield None
         return
