@@ -5,8 +5,7 @@
 #   PYTEST_ARGS           extra pytest arguments (e.g. "-k chain -x")
 #   POSTTRAIN_TEST_WORKERS  pytest-xdist workers (default 2): the Prefect and Slurm tests run in one,
 #                         one after another (tests/conftest.py); the other modules share the rest
-#   POSTTRAIN_PREFECT_DB  postgres (default here) or sqlite: the Prefect server's database; the
-#                         flows read it too (how many rollout shards start their subflows at once)
+#   POSTTRAIN_PREFECT_DB  postgres (default here) or sqlite: the Prefect server's database
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
