@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
-from posttrain.fsutil import atomic_write, write_behind
+from posttrain.fsutil import atomic_write, fsync_path, write_behind
 
 
 class _FrameSlice:
@@ -132,6 +133,29 @@ def apply_chain(
         for fd in fds.values():
             os.close(fd)
         close_readers(readers)
+    return Applied({n: digests[n] for n in base.tensors}, base.total_bytes)
+
+
+def adopt_full(base: Checkpoint, out: Path, *, workers: int | None = None, progress: Progress | None = None,
+               durable: bool = True) -> Applied:
+    """Rebuild a full snapshot by moving its shard files into ``out`` (an existing empty folder)
+    instead of writing them again. Every tensor is still read and checked against the digest its
+    snapshot recorded, as ``apply_chain`` checks it, before anything moves. The snapshot's folder
+    loses its shards: only for a caller that drops it afterwards (a hot-load's download cache)."""
+    readers: list[ChunkReader] = []
+    local = _Local(readers)
+    try:
+        def run(name: str) -> tuple[str, str]:
+            info = base.tensors[name]
+            return name, _apply_tensor(info, [], None, local, None, progress, base.expected.get(name))
+
+        digests = dict(_run_parallel(run, _interleave_files(base), workers or default_workers()))
+    finally:
+        close_readers(readers)
+    for path in sorted({info.path for info in base.tensors.values()}):
+        shutil.move(path, out / path.name)  # a rename on one file system
+        if durable:
+            fsync_path(out / path.name)
     return Applied({n: digests[n] for n in base.tensors}, base.total_bytes)
 
 

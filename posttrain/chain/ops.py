@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.chain.apply import apply_chain, changed_bytes, write_checkpoint_index
+from posttrain.chain.apply import adopt_full, apply_chain, changed_bytes, write_checkpoint_index
 from posttrain.chain.checkpoint import Checkpoint
 from posttrain.chain.encode import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -224,8 +224,13 @@ def reconstruct(
     workers: int | None = None,
     progress: Progress | None = None,
     durable: bool = True,
+    take_full: bool = False,
 ) -> Reconstructed:
     """Rebuild ``version`` into a Hugging Face checkpoint at ``out_dir`` (None: verify only).
+
+    ``take_full``: when ``version`` is a full snapshot (no delta to apply), move its shard files
+    into ``out_dir`` after checking them instead of copying them; the chain folder loses them (for
+    a caller that drops its copy of the snapshot afterwards).
 
     ``held_dir`` is a checkpoint that already holds a version on the path (its index records
     it): only the deltas after it are applied, and a delta whose base is not that version is
@@ -269,7 +274,10 @@ def reconstruct(
         applied = apply_chain(start_ckpt, deltas, None, workers=workers, progress=progress)
     else:
         with staging_dir(out) as tmp:
-            applied = apply_chain(start_ckpt, deltas, tmp, workers=workers, progress=progress, durable=durable)
+            if take_full and full is not None and not deltas:
+                applied = adopt_full(start_ckpt, tmp, workers=workers, progress=progress, durable=durable)
+            else:
+                applied = apply_chain(start_ckpt, deltas, tmp, workers=workers, progress=progress, durable=durable)
             write_checkpoint_index(tmp, start_ckpt, target.version, config)
             copy_target_probe(target.path, tmp)
             write_manifest(tmp, applied.version_digests)

@@ -324,7 +324,12 @@ class HotLoadService:
                 self.source.view(plan, before.identity, before.path, view)
                 from posttrain.chain.ops import reconstruct
 
-                reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None)
+                # Not fsynced: a restart serves a rebuilt folder again only once every tensor of it
+                # passes its checksums (verify_held), so a folder a power cut tore is never served;
+                # waiting for the disk here would only delay the switch. A full snapshot's files move
+                # from the download cache, which is dropped after the load (``forget``), checked first.
+                reconstruct(view, op.identity, out, held_dir=before.path if plan.start == "held" else None,
+                            durable=False, take_full=True)
             t = self._stage(op, "apply", t)
             now = self.engine.load(out, op.identity)
             if self._unresumed is not None:  # a version served now: the one a restart could not resume goes
