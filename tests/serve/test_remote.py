@@ -59,6 +59,9 @@ class Supervisor:
     def stop(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 def _version(root: Path, name: str, value: float) -> Path:
     folder = save_torch_checkpoint(root / name, {"w": torch.full((4,), value)})
