@@ -1,8 +1,8 @@
 """Benchmark: publish throughput to S3, and checkpoint saved -> hot-loaded latency by stage.
 
 (a) A full snapshot of a synthetic bf16 checkpoint (``adam_like_pair``) uploaded to the S3
-    server through ``S3Store``: multipart (parallel parts) against one single-stream PUT,
-    measured in the same run.
+    server through ``S3Store``: multipart with several part sizes and parts in flight, against
+    one single-stream PUT per file, alternated in the same run.
 (b) posttrain's reference server (in process) booted from a Qwen2 model built locally from a
     config (~125M parameters, bf16): a checkpoint goes through ``Publisher`` (encode, upload)
     and ``CoreWeaveHotLoader`` (the server fetches, applies, loads and swaps; its stage times
@@ -13,7 +13,7 @@
 S3: $POSTTRAIN_S3_ENDPOINT, else a SeaweedFS started here through scripts/services/start-s3.sh
 on a free port and stopped at the end. Prints markdown tables; asserts nothing.
 
-    .venv/bin/python bench/publish_hotload.py [--mib 512] [--part-mib 32] [--repeat 3] [--lr 1e-6]
+    .venv/bin/python bench/publish_hotload.py [--mib 512] [--parts 32x8,64x8,64x4,128x4] [--repeat 3] [--lr 1e-6]
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 
 
 # ---------------------------------------------------------------------- (a) throughput
-def upload_throughput(endpoint: str, bucket: str, data: Path, mib: int, part_mib: int, repeat: int) -> None:
+def upload_throughput(endpoint: str, bucket: str, data: Path, mib: int, parts: list[tuple[int, int]],
+                      repeat: int) -> None:
     from posttrain.chain.ops import encode_snapshot
     from posttrain.testing.synthetic import adam_like_pair
 
@@ -132,10 +133,11 @@ def upload_throughput(endpoint: str, bucket: str, data: Path, mib: int, part_mib
     snap = encode_snapshot(base, data / "syn-chain", run="bench", step=1)
     size = nbytes(snap.path)
     largest = max(p.stat().st_size for p in files_of(snap.path))
-    modes = {
-        f"multipart ({part_mib} MiB parts, 8 in flight)": dict(part_size=part_mib * MiB, max_concurrency=8),
-        "single stream (one PUT per file)": dict(part_size=max(5 * MiB, largest + MiB), max_concurrency=1),
-    }
+    modes = {f"multipart ({part_mib} MiB parts, {inflight} in flight)": dict(part_size=part_mib * MiB,
+                                                                          max_concurrency=inflight)
+             for part_mib, inflight in parts}
+    single = "single stream (one PUT per file)"
+    modes[single] = dict(part_size=max(5 * MiB, largest + MiB), max_concurrency=1)
     client = boto_client(endpoint)
     secs: dict[str, list[float]] = {m: [] for m in modes}
     etags: dict[str, str] = {}
@@ -155,9 +157,8 @@ def upload_throughput(endpoint: str, bucket: str, data: Path, mib: int, part_mib
     for mode, times in secs.items():
         parts = etags[mode].strip('"').partition("-")[2] or "1"
         rows.append([mode, parts, " / ".join(f"{t:.2f}" for t in times), f"{best[mode]:.0f}"])
-    table(["upload", "parts (ETag)", "seconds per run", "MB/s (best)"], rows)
-    multipart, single = best.values()
-    print(f"multipart / single stream: **{multipart / single:.2f}x**\n")
+    rows = [row + [f"{best[mode] / best[single]:.2f}x"] for row, mode in zip(rows, secs, strict=True)]
+    table(["upload", "parts (ETag)", "seconds per run", "MB/s (best)", "vs single stream"], rows)
     for name in ("syn-base", "syn-new", "syn-chain"):
         shutil.rmtree(data / name)
 
@@ -249,6 +250,7 @@ def hotload_latency(endpoint: str, bucket: str, data: Path, lr: float) -> None:
             floor_rows.append([
                 snap.kind, f"{snap.stored_bytes / MiB:.1f}", f"{copy:.2f}", f"{read:.2f}", f"{put:.2f}",
                 f"{get:.2f}", f"{snap.upload_seconds / put:.2f}x", f"{stages['fetch'] / get:.2f}x",
+                f"**{total / (copy + put + get):.2f}x**",
             ])
             shutil.rmtree(data / "floor")
     finally:
@@ -267,13 +269,16 @@ def hotload_latency(endpoint: str, bucket: str, data: Path, lr: float) -> None:
     print("I/O floor of the same bytes (the snapshot's files, best of 2; local reads hit the page cache; raw boto3 "
           "with the store's part size and concurrency):\n")
     table(["snapshot", "MiB", "local copy (read+write)", "cat > /dev/null", "raw S3 PUT", "raw S3 GET",
-           "upload / raw PUT", "download / raw GET"], floor_rows)
+           "upload / raw PUT", "download / raw GET", "saved -> hot-loaded / (copy + PUT + GET)"], floor_rows)
+    print(f"load average (1/5/15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="(a) size of the synthetic checkpoint")
-    ap.add_argument("--part-mib", type=int, default=32, help="(a) multipart part size")
+    ap.add_argument("--parts", default="32x8,64x8,64x4,128x4",
+                    help="(a) multipart settings to compare with one PUT per file: PART_MIBxIN_FLIGHT,... "
+                         "(the store's default: 64x8)")
     ap.add_argument("--repeat", type=int, default=3, help="(a) uploads per mode; the fastest is kept")
     ap.add_argument("--lr", type=float, default=1e-6, help="(b) learning rate of the Adam step of the delta")
     args = ap.parse_args()
@@ -285,7 +290,8 @@ def main() -> None:
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             client.create_bucket(Bucket=bucket)
             try:
-                upload_throughput(endpoint, bucket, data, args.mib, args.part_mib, args.repeat)
+                parts = [tuple(int(x) for x in p.split("x")) for p in args.parts.split(",")]
+                upload_throughput(endpoint, bucket, data, args.mib, parts, args.repeat)
                 hotload_latency(endpoint, bucket, data, args.lr)
             finally:
                 drop_bucket(client, bucket)
