@@ -265,3 +265,31 @@ def test_encode_apply_and_verify_leave_no_descriptor_open(model_pair, tmp_path):
         verify_chain(chain)
     leaked = sorted(p for p in open_fds() - before if str(tmp_path) in p)
     assert leaked == []
+
+
+def test_a_full_snapshot_taken_into_place_is_checked_first_and_rebuilds_exactly(model_pair, tmp_path):
+    """reconstruct(take_full=True), as a hot-load does with its download cache: a full snapshot's
+    shards move into the rebuilt folder once every tensor matches its recorded digest; a shard whose
+    bytes changed is refused and nothing moves."""
+    from posttrain.chain.errors import ChainError
+    from posttrain.chain.manifest import load_manifest
+
+    base, _ = model_pair
+    chain = tmp_path / "chain"
+    full = encode_snapshot(base, chain, step=6)
+    shard = full.path / "model-00000.safetensors"
+    out = tmp_path / "taken"
+    reconstruct(chain, full.identity, out, take_full=True, durable=False)
+    assert load_bytes(out) == load_bytes(base)
+    assert not shard.exists() and (out / shard.name).exists()  # moved, not copied
+    load_manifest(out).check_all(deep=True)  # the rebuilt folder's own checksums (a restart checks them)
+    assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["version"] == full.identity
+
+    again = encode_snapshot(base, tmp_path / "chain2", step=6)
+    shard = again.path / "model-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a byte of the last tensor, after the download was checked
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChainError):
+        reconstruct(tmp_path / "chain2", again.identity, tmp_path / "refused", take_full=True)
+    assert shard.exists() and not (tmp_path / "refused").exists()
