@@ -23,15 +23,14 @@ from posttrain.chain.checkpoint import CHUNK_BYTES, INDEX_NAME, Checkpoint, Chun
 from posttrain.chain.encode import (
     SLICE_BYTES,
     Progress,
-    _pwrite_all,
     _run_parallel,
     close_readers,
     default_workers,
-    preallocate,
     write_json_atomic,
 )
 from posttrain.chain.errors import ChecksumMismatch, FormatError
 from posttrain.chain.format import new_checksum
+from posttrain.chain.outfiles import preallocate, pwrite_all
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.chain.snapshot import DeltaEntry, DeltaSnapshot
 from posttrain.fsutil import atomic_write, fsync_path, write_behind
@@ -105,7 +104,7 @@ def apply_chain(
                 layout = layout_file(specs, base.shard_metadata.get(fname) or {"format": "pt"})
                 fd = os.open(out / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 out_fds.append(fd)
-                _pwrite_all(fd, memoryview(layout.header), 0)
+                pwrite_all(fd, memoryview(layout.header), 0)
                 preallocate(fd, layout.size)
                 # One writer per file at a time: a write holds the file's inode lock while it copies,
                 # and a second thread writing the same file spins on that lock in the kernel, burning
@@ -204,7 +203,7 @@ def _apply_tensor(
                 digest.update(work)
                 if target is not None:
                     with target[2]:
-                        _pwrite_all(target[0], work, target[1] + pos + start)
+                        pwrite_all(target[0], work, target[1] + pos + start)
             if target is not None:
                 write_behind(target[0], target[1] + pos, m)
             pos += m

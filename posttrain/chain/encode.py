@@ -29,6 +29,7 @@ from posttrain.chain.checkpoint import (
 )
 from posttrain.chain.errors import ChainError, LayoutMismatch, WrongBase
 from posttrain.chain.format import Flavor, content_digest, new_checksum
+from posttrain.chain.outfiles import preallocate, pwrite_all
 from posttrain.chain.safetensors_io import TensorInfo, TensorSpec, layout_file
 from posttrain.fsutil import atomic_write, write_behind
 
@@ -113,22 +114,6 @@ def close_readers(readers: list[ChunkReader]) -> None:
         reader.close()
 
 
-def _pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
-    mv = memoryview(data).cast("B")
-    while mv:
-        n = os.pwrite(fd, mv, offset)
-        mv = mv[n:]
-        offset += n
-
-
-def preallocate(fd: int, size: int) -> None:
-    # Writing into a sparse (ftruncated) file costs ext4 an allocation per write: ~15x slower.
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        os.ftruncate(fd, size)
-
-
 def _greedy_shards(items: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = []
     size = 0
@@ -177,7 +162,7 @@ def write_full(
             layout = layout_file(specs, {"format": "pt"})
             fd = os.open(dest / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             fds.append(fd)
-            _pwrite_all(fd, memoryview(layout.header), 0)
+            pwrite_all(fd, memoryview(layout.header), 0)
             preallocate(fd, layout.size)
             files[fname] = layout.size
             file_lock = threading.Lock()  # one writer per file at a time: see apply_chain's
@@ -193,7 +178,7 @@ def write_full(
             for chunk in local.new.chunks(info):
                 digest.update(chunk)
                 with file_lock:
-                    _pwrite_all(fd, chunk, offset + pos)
+                    pwrite_all(fd, chunk, offset + pos)
                 write_behind(fd, offset + pos, len(chunk))
                 pos += len(chunk)
                 if progress:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from posttrain.cli.s3_args import add_s3_options, s3_options
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="delete the chains of old runs from a store, keeping what is protected",
@@ -28,11 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--protect-file", type=Path, action="append", default=[], metavar="FILE",
                    help="a file of identities to protect, one per line ('#' starts a comment)")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
-    p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 or AWS)")
-    p.add_argument("--region", help="S3 region")
-    p.add_argument("--profile", help="AWS profile for credentials")
-    p.add_argument("--outage-retry", type=float, metavar="SECONDS",
-                   help="keep retrying this long while the S3 store is unreachable (default 120; 0: fail at once)")
+    add_s3_options(p)
     p.set_defaults(func=cmd_gc)
 
 
@@ -82,8 +80,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise UsageError(describe_validation_error(e, OPTION_NAMES)) from None
     _check_folder(args.store)
-    options = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region),
-                                 ("profile", args.profile), ("outage_retry_s", args.outage_retry)) if v is not None}
+    options = s3_options(args)
     console = make_console()
     with open_store(args.store, **options) as base:
         store = under(base, args.prefix)

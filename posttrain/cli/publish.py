@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from posttrain.chain.format import MAX_CHAIN_DELTAS
+from posttrain.cli.s3_args import add_s3_options, s3_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,12 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sync", action="store_true", help="publish each checkpoint before taking the next")
     p.add_argument("--lock-timeout", type=float, default=0.0,
                    help="seconds to wait for another publisher to leave the work dir (default: fail at once)")
-    p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 or AWS)")
-    p.add_argument("--region", help="S3 region")
-    p.add_argument("--profile", help="AWS profile for credentials")
-    p.add_argument("--part-size", type=int, help="multipart part size in bytes (CoreWeave advises >= 50 MB)")
-    p.add_argument("--outage-retry", type=float, metavar="SECONDS",
-                   help="keep retrying this long while the S3 store is unreachable (default 120; 0: fail at once)")
+    add_s3_options(p, part_size=True)
     p.set_defaults(func=cmd_publish)
 
 
@@ -85,9 +81,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise UsageError(describe_validation_error(e, OPTION_NAMES)) from None
     steps = _steps(args)
-    options = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region),
-                                 ("profile", args.profile), ("part_size", args.part_size),
-                                 ("outage_retry_s", args.outage_retry)) if v is not None}
+    options = s3_options(args)
 
     def report(p) -> None:
         print(f"published {p.kind} {p.identity} (step {p.step}): {human_bytes(p.stored_bytes)}, "

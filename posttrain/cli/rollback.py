@@ -18,6 +18,8 @@ import re
 import time
 from pathlib import Path
 
+from posttrain.cli.s3_args import add_s3_options, s3_options
+
 
 def add_store_options(p: argparse.ArgumentParser) -> None:
     """--store, --prefix and the S3 options, as ``posttrain gc`` has them."""
@@ -25,11 +27,7 @@ def add_store_options(p: argparse.ArgumentParser) -> None:
                    "and its promotion histories are")
     p.add_argument("--prefix", default="", help="prefix in the store where the chain is published (the history is "
                    "under <prefix>/.posttrain/promotions/<deployment>/)")
-    p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 or AWS)")
-    p.add_argument("--region", help="S3 region")
-    p.add_argument("--profile", help="AWS profile for credentials")
-    p.add_argument("--outage-retry", type=float, metavar="SECONDS",
-                   help="keep retrying this long while the S3 store is unreachable (default 120; 0: fail at once)")
+    add_s3_options(p)
 
 
 def open_history_store(args: argparse.Namespace):  # noqa: ANN201 - a context manager over a Store under --prefix
@@ -41,8 +39,7 @@ def open_history_store(args: argparse.Namespace):  # noqa: ANN201 - a context ma
     from posttrain.storage.prefixed import under
 
     _check_folder(args.store)
-    options = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region),
-                                 ("profile", args.profile), ("outage_retry_s", args.outage_retry)) if v is not None}
+    options = s3_options(args)
 
     @contextmanager
     def opened():  # noqa: ANN202
