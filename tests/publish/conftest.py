@@ -1,11 +1,32 @@
-"""Fixtures of the publisher tests: the checkpoints of a small training run."""
+"""Fixtures of the publisher tests: the checkpoints of a small training run, and a store of five
+nightly runs for the gc tests."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 
+from posttrain.storage import LocalStore
+from tests.support.chains import publish_runs
 from tests.support.tensors import perturb, random_tensor, save_torch_checkpoint
+
+
+@pytest.fixture(scope="module")
+def nightly_template(tmp_path_factory):
+    """Five nightly runs, each [full 1, delta 2, delta 3, delta 4] and [full 5], in a folder store."""
+    root = tmp_path_factory.mktemp("nightly")
+    done = publish_runs(LocalStore(root / "store"), root)
+    return root, done
+
+
+@pytest.fixture
+def nightly(nightly_template, tmp_path):
+    """A fresh copy of the five runs' store, and what was published."""
+    root, done = nightly_template
+    shutil.copytree(root / "store", tmp_path / "store")
+    return LocalStore(tmp_path / "store"), done
 
 
 @pytest.fixture

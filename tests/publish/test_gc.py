@@ -3,7 +3,6 @@ readers during a gc, and bad input refused with nothing deleted."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 
@@ -17,30 +16,9 @@ from posttrain.publish.gc import GcConfig, GcError, plan_gc, run_gc
 from posttrain.publish.ledger import RUNS_PREFIX, Ledger, published_steps
 from posttrain.storage import LocalStore
 from posttrain.storage.prefixed import PrefixedStore
-from tests.support.chains import age_run, publish_runs, rebuilds, snapshots_in
+from tests.support.chains import age_run, publish_runs, rebuilds, snapshots_in, store_files
 
 RUNS = [f"night-{n}" for n in range(5)]
-
-
-@pytest.fixture(scope="module")
-def nightly_template(tmp_path_factory):
-    """Five nightly runs, each [full 1, delta 2, delta 3, delta 4] and [full 5], in a folder store."""
-    root = tmp_path_factory.mktemp("nightly")
-    done = publish_runs(LocalStore(root / "store"), root)
-    return root, done
-
-
-@pytest.fixture
-def nightly(nightly_template, tmp_path):
-    """A fresh copy of the five runs' store, and what was published."""
-    root, done = nightly_template
-    shutil.copytree(root / "store", tmp_path / "store")
-    return LocalStore(tmp_path / "store"), done
-
-
-def store_files(store: LocalStore) -> dict[str, int]:
-    return {str(p): p.stat().st_mtime_ns for p in sorted(store.root.rglob("*")) if p.is_file()
-            and ".posttrain-store" not in p.parts}
 
 
 def test_keep_two_runs_deletes_the_rest_and_every_kept_version_rebuilds(nightly, tmp_path):

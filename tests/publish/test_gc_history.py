@@ -6,7 +6,6 @@ is not disturbed."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 
@@ -17,29 +16,9 @@ from posttrain.promote.history import History, Record
 from posttrain.publish.content import checkpoint_content
 from posttrain.publish.gc import GcConfig, GcError, history_roots, plan_gc, run_gc
 from posttrain.storage import LocalStore
-from tests.support.chains import publish_runs, rebuilds, snapshots_in
+from tests.support.chains import rebuilds, snapshots_in, store_files
 
 RUNS = [f"night-{n}" for n in range(5)]
-
-
-@pytest.fixture(scope="module")
-def nightly_template(tmp_path_factory):
-    """Five nightly runs, each [full 1, delta 2, delta 3, delta 4] and [full 5], in a folder store."""
-    root = tmp_path_factory.mktemp("nightly-history")
-    done = publish_runs(LocalStore(root / "store"), root)
-    return root, done
-
-
-@pytest.fixture
-def nightly(nightly_template, tmp_path):
-    root, done = nightly_template
-    shutil.copytree(root / "store", tmp_path / "store")
-    return LocalStore(tmp_path / "store"), done
-
-
-def store_files(store: LocalStore) -> dict[str, int]:
-    return {str(p): p.stat().st_mtime_ns for p in sorted(store.root.rglob("*")) if p.is_file()
-            and ".posttrain-store" not in p.parts}
 
 
 def decision(accepted: bool, candidate: str, champion: str | None) -> Decision:

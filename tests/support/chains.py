@@ -92,3 +92,9 @@ def rebuilds(store: Store, identity: str, tmp: Path) -> str:
     out = tmp / f"rebuilt-{stamp}"
     reconstruct_from_store(store, identity, out, cache_dir=tmp / f"cache-{stamp}")
     return checkpoint_content(out)
+
+
+def store_files(store) -> dict[str, int]:
+    """Every file of a folder store (its own lock files aside), with its modification time."""
+    return {str(p): p.stat().st_mtime_ns for p in sorted(store.root.rglob("*")) if p.is_file()
+            and ".posttrain-store" not in p.parts}
