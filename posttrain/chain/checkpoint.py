@@ -8,7 +8,6 @@ its resident memory stays at a few windows whatever the model size.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -157,14 +156,14 @@ def layout_changes(
 
 
 class ChunkReader:
-    """Maps byte ranges of files in windows of at most ``chunk`` bytes, one descriptor per file.
-
-    Callers must not keep a yielded array past the next iteration: its window is unmapped then.
-    """
+    """Reads byte ranges of files in chunks of at most ``chunk`` bytes into a buffer of its own,
+    one descriptor per file. Callers must not keep a yielded array past the next iteration: the
+    buffer is read into again then."""
 
     def __init__(self, chunk: int = CHUNK_BYTES):
         self.chunk = chunk
         self._fds: dict[Path, int] = {}
+        self._buf: np.ndarray | None = None
 
     def fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -174,24 +173,18 @@ class ChunkReader:
 
     def chunks(self, info: TensorInfo) -> Iterator[np.ndarray]:
         fd = self.fd(info.path)
+        if self._buf is None:
+            self._buf = np.empty(self.chunk, dtype=np.uint8)
+        view = memoryview(self._buf)
         for start in range(0, info.nbytes, self.chunk):
             n = min(self.chunk, info.nbytes - start)
-            offset = info.offset + start
-            aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-            try:
-                window = mmap.mmap(fd, offset - aligned + n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                   prot=mmap.PROT_READ, offset=aligned)
-            except (OSError, ValueError) as e:
-                raise FormatError(f"{info.path}: cannot read tensor {info.name!r} ({e})") from None
-            arr = np.frombuffer(window, dtype=np.uint8, count=n, offset=offset - aligned)
-            try:
-                yield arr
-            finally:
-                del arr
-                try:
-                    window.close()
-                except BufferError:  # a caller kept a view; the window goes with it
-                    pass
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [view[got:n]], info.offset + start + got)
+                if k == 0:
+                    raise FormatError(f"{info.path}: cannot read tensor {info.name!r} (the file ends early)")
+                got += k
+            yield self._buf[:n]
 
     def close(self) -> None:
         for fd in self._fds.values():
