@@ -127,6 +127,18 @@ def shard_runs(flow_run_id: str | UUID) -> dict:
     return {t.name: t for t in task_runs(flow_run_id) if t.name.startswith("round-") and "-shard-" in t.name}
 
 
+def assert_one_shard_retried(flow_run_id: str | UUID, *, shards: int) -> None:
+    """Round 0's ``shards`` shard tasks all completed; exactly one ran twice (a transient failure,
+    retried alone) and the others once; the run's logs give the failure and the retry."""
+    runs = shard_runs(flow_run_id)
+    assert sorted(runs) == [f"round-0-shard-{s}" for s in range(shards)], sorted(runs)
+    assert all(t.state.is_completed() for t in runs.values())
+    counts = sorted(t.run_count for t in runs.values())
+    assert counts == [1] * (shards - 1) + [2], counts
+    logs = flow_run_logs_until(flow_run_id, "Retry 1/2")  # task-run states carry no message
+    assert any("ConnectionError" in m and "Retry 1/2" in m for m in logs), logs
+
+
 def flow_run_logs_until(flow_run_id: str | UUID, text: str, timeout: float = 15) -> list[str]:
     """The flow run's log messages once one holds ``text`` (logs reach the API in the background),
     or as they are after ``timeout`` seconds."""

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
-from tests.pipeline.runs import flow_run_logs, flow_run_logs_until, overlapping, shard_runs
+from tests.pipeline.runs import assert_one_shard_retried, flow_run_logs, overlapping, shard_runs
 from tests.pipeline.test_flows_grpo_shards import grpo_settings, run_grpo
 
 pytestmark = pytest.mark.slow
@@ -113,15 +113,7 @@ def test_a_failing_shard_on_dask_is_retried_alone(tiny_setup, dask_cluster):
     assert pid in worker_pids, (pid, worker_pids)
     assert sum(shard_tasks_by_worker(stream.data).values()) == 3, stream.data
 
-    shards = shard_runs(flow_run_id)
-    assert sorted(shards) == ["round-0-shard-0", "round-0-shard-1", "round-0-shard-2"]
-    assert all(t.state.is_completed() for t in shards.values())
-    counts = {name: t.run_count for name, t in shards.items()}
-    assert sorted(counts.values()) == [1, 1, 2], counts  # the flaky shard ran again; the others once
-    (flaky,) = [name for name, n in counts.items() if n == 2]
-    # the failed attempt's reason and the retry, in the run's logs (task-run states carry no message)
-    logs = flow_run_logs_until(flow_run_id, "Retry 1/2")
-    assert any("ConnectionError" in m and "Retry 1/2" in m for m in logs), logs
+    assert_one_shard_retried(flow_run_id, shards=3)
 
     # The round merged all three shards.
     name = f"flows-grpo-dask-flaky-{str(flow_run_id).replace('-', '')[:8]}"

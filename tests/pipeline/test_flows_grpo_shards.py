@@ -13,7 +13,7 @@ import pytest
 from posttrain.pipeline.tasks.report import round_table_rows
 from tests.pipeline.flaky import FLAKY_MARKER_ENV, SLOW_SECONDS_ENV
 from tests.pipeline.run_events import assert_goodput_adds_up, named, wait_events
-from tests.pipeline.runs import flow_run_logs_until, overlapping, read_flow_run, shard_runs
+from tests.pipeline.runs import assert_one_shard_retried, overlapping, read_flow_run, shard_runs
 from tests.support.tensorboard import scalar_curves
 
 pytestmark = pytest.mark.slow
@@ -72,15 +72,7 @@ def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     assert marker.exists()
     assert read_flow_run(flow_run_id).name.startswith("flows-grpo-flaky-")  # named from the run name
 
-    shards = shard_runs(flow_run_id)
-    assert sorted(shards) == ["round-0-shard-0", "round-0-shard-1", "round-0-shard-2"]
-    assert all(t.state.is_completed() for t in shards.values())
-    counts = {name: t.run_count for name, t in shards.items()}
-    assert sorted(counts.values()) == [1, 1, 2], counts  # the flaky shard ran again; the others once
-    (flaky,) = [name for name, n in counts.items() if n == 2]
-    # the failed attempt's reason and the retry, in the run's logs (task-run states carry no message)
-    logs = flow_run_logs_until(flow_run_id, "Retry 1/2")
-    assert any("ConnectionError" in m and "Retry 1/2" in m for m in logs), logs
+    assert_one_shard_retried(flow_run_id, shards=3)
 
     # The round still merged all three shards.
     name = f"flows-grpo-flaky-{str(flow_run_id).replace('-', '')[:8]}"  # the flow run's own run name
