@@ -167,6 +167,8 @@ def main() -> None:
                                                "new", "--out", str(w / "rec")],
             ("apply", "naive"): lambda w: [py, str(ROOT / "bench" / "naive_codec.py"), "apply", str(base),
                                            str(naive_delta), str(w / "rec")],
+            ("apply", "posttrain --no-fsync"): lambda w: [py, "-m", "posttrain", "chain", "apply", str(chain),
+                                                          "--version", "new", "--out", str(w / "rec"), "--no-fsync"],
             ("apply", "cp"): lambda w: ["cp", "-r", str(rebuilt), str(w / "copy")],
             ("apply", "cp+fsync"): lambda w: ["sh", "-c", 'cp -r "$0" "$1" && sync "$1"/*', str(rebuilt),
                                               str(w / "copy")],
@@ -178,8 +180,12 @@ def main() -> None:
         rss: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
         cpu: dict[tuple[str, str], list[float]] = {k: [] for k in cmds}
         load_before = loadavg()
-        for _ in range(args.repeat):
-            for key, make_cmd in cmds.items():  # alternated: one run of each per round
+        order = list(cmds.items())
+        for i in range(args.repeat):
+            # alternated: one run of each per round, each round starting one further along, so that no
+            # command always follows the same one (on a VM, the run after one that freed 2 GiB pays
+            # for getting memory back: cp's times swung 0.3-2.2 s when it always followed naive's apply)
+            for key, make_cmd in order[i % len(order):] + order[:i % len(order)]:
                 work = args.data / f"work-{key[0]}-{key[1]}"
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
@@ -199,7 +205,8 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         ax = med.get(("encode", "axolotl"))
         for op, codec in [("encode", "axolotl"), ("encode", "naive"), ("encode", "posttrain"), ("apply", "naive"),
-                          ("apply", "posttrain"), ("apply", "cp"), ("apply", "cp+fsync")]:
+                          ("apply", "posttrain"), ("apply", "posttrain --no-fsync"), ("apply", "cp"),
+                          ("apply", "cp+fsync")]:
             if (op, codec) not in med:
                 continue
             s = med[(op, codec)]
@@ -209,14 +216,16 @@ def main() -> None:
                              rss=max(rss[(op, codec)]), share=shares.get(codec) if op == "encode" else None,
                              vs_naive=naive / s, vs_axolotl=ax / s if ax else None,
                              vs_cp=s / med[("apply", "cp")] if op == "apply" else None,
+                             vs_cp_fsync=s / med[("apply", "cp+fsync")] if op == "apply" else None,
                              vs_encode=med[("encode", "posttrain")] / s if (op, codec) == ("apply", "posttrain") else None,
                              load=f"{load_before} -> {load_after}"))
     print()
     print(f"checkpoint: {raw / (1 << 30):.2f} GiB of tensors, {os.cpu_count()} cores; medians of {args.repeat} "
           f"alternated whole-process runs (CPU s: user + system, median); RSS budget 0.25 x checkpoint + 300 MiB = {0.25 * raw / (1 << 20) + 300:.0f} MiB")
-    hdr = (f"| {'lr':>6} | {'op':6} | {'codec':9} | {'median s':>8} | {'runs s':>17} | {'GB/s':>5} | "
+    runs_w = max(17, 5 * args.repeat - 1)  # "0.00" per run, space-separated
+    hdr = (f"| {'lr':>6} | {'op':6} | {'codec':20} | {'median s':>8} | {'runs s':>{runs_w}} | {'GB/s':>5} | "
            f"{'CPU s':>5} | {'peak RSS MiB':>12} | {'delta % of full':>15} | {'x naive':>7} | {'x Axolotl enc':>13} | "
-           f"{'time / cp':>9} |")
+           f"{'time / cp':>9} | {'time / cp+fsync':>15} |")
     print(hdr)
     print("|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
     for r in rows:
@@ -224,13 +233,16 @@ def main() -> None:
         runs = " ".join(f"{x:.2f}" for x in r["runs"])
         vs_ax = f"{r['vs_axolotl']:.2f}x" if r["vs_axolotl"] else "-"
         vs_cp = f"{r['vs_cp']:.2f}x" if r["vs_cp"] else "-"
-        vs_naive = f"{r['vs_naive']:6.2f}x" if r["codec"] not in ("cp", "cp+fsync") else "-"
-        print(f"| {r['lr']:>6g} | {r['op']:6} | {r['codec']:9} | {r['seconds']:8.2f} | {runs:>17} | {r['gbs']:5.2f} | "
-              f"{r['cpu']:5.2f} | {r['rss']:12.0f} | {sh:>15} | {vs_naive:>7} | {vs_ax:>13} | {vs_cp:>9} |")
+        vs_cpf = f"{r['vs_cp_fsync']:.2f}x" if r["vs_cp_fsync"] else "-"
+        vs_naive = f"{r['vs_naive']:6.2f}x" if not r["codec"].startswith("cp") else "-"
+        print(f"| {r['lr']:>6g} | {r['op']:6} | {r['codec']:20} | {r['seconds']:8.2f} | {runs:>{runs_w}} | {r['gbs']:5.2f} | "
+              f"{r['cpu']:5.2f} | {r['rss']:12.0f} | {sh:>15} | {vs_naive:>7} | {vs_ax:>13} | {vs_cp:>9} | {vs_cpf:>15} |")
     for r in rows:
         if r["vs_encode"]:
+            scratch = next(x for x in rows if x["lr"] == r["lr"] and x["codec"] == "posttrain --no-fsync")
             print(f"lr {r['lr']:g}: posttrain's apply runs at {r['vs_encode']:.2f}x the speed of its encode "
-                  f"(encode time / apply time), and takes {r['vs_cp']:.2f}x the time of cp of the rebuilt folder")
+                  f"(encode time / apply time); it fsyncs its output, and takes {r['vs_cp_fsync']:.2f}x the time "
+                  f"of cp + fsync of the rebuilt folder; with --no-fsync {scratch['vs_cp']:.2f}x the time of cp")
     for lr in args.lr:
         print(f"lr {lr:g}: load average (1/5/15 min) {next(r['load'] for r in rows if r['lr'] == lr)}")
     for lr, codec, verdict in checks:

@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency, but the stdli
 IDENTITY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 SLIME_DIR_RE = re.compile(r"^weight_v(\d{6})$")
 MAX_IDENTITY_LEN = 255
+PROBE_NAME = "posttrain.probe.json"  # the probe a snapshot carries (posttrain.chain.probe)
 MAX_CHAIN_DELTAS = 128  # deltas a consumer resolves after a full snapshot (CoreWeave's limit)
 
 

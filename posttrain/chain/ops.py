@@ -25,6 +25,7 @@ from posttrain.chain.encode import (
 from posttrain.chain.errors import ChainError, FormatError, MissingBase, OutputExists, WrongBase
 from posttrain.chain.folder import ChainFolder, SnapshotRef
 from posttrain.chain.format import (
+    PROBE_NAME,
     Flavor,
     check_identity,
     make_identity,
@@ -32,7 +33,6 @@ from posttrain.chain.format import (
     slime_dir,
 )
 from posttrain.chain.manifest import write_manifest
-from posttrain.chain.probe import copy_probe, copy_target_probe
 from posttrain.chain.snapshot import held_version, open_delta, read_index
 from posttrain.fsutil import publish_dir, staging_dir
 
@@ -158,7 +158,10 @@ def encode_snapshot(
         else:
             enc = write_delta(new, base, tmp, flavor=flavor, max_shard_bytes=max_shard_bytes, workers=workers,
                               progress=progress, expected_base=expected_base, durable=durable)
-        enc.extra_files.update(copy_probe(new.path, tmp))  # full and delta snapshots carry the probe
+        if (new.path / PROBE_NAME).is_file():  # full and delta snapshots carry the probe
+            from posttrain.chain.probe import copy_probe  # pydantic: only for a checkpoint with a probe
+
+            enc.extra_files.update(copy_probe(new.path, tmp))
         if not name:
             name = version_label = make_identity(run=run, step=step, kind=kind, base_identity=base_label,
                                                  content=enc.content)
@@ -279,7 +282,10 @@ def reconstruct(
             else:
                 applied = apply_chain(start_ckpt, deltas, tmp, workers=workers, progress=progress, durable=durable)
             write_checkpoint_index(tmp, start_ckpt, target.version, config)
-            copy_target_probe(target.path, tmp)
+            if (target.path / PROBE_NAME).is_file():
+                from posttrain.chain.probe import copy_target_probe
+
+                copy_target_probe(target.path, tmp)
             write_manifest(tmp, applied.version_digests)
             commit_dir(tmp, out)
     return Reconstructed(target.version, out, start, [d.version for d in deltas], applied.bytes,

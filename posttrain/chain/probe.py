@@ -31,10 +31,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from posttrain.chain.errors import ChainError, ChecksumMismatch
+from posttrain.chain.format import PROBE_NAME
 from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
 from posttrain.fsutil import atomic_write
 
-PROBE_NAME = "posttrain.probe.json"
 PROBE_FORMAT = "posttrain-probe-v1"
 PROBE_PROMPTS = 4
 PROBE_PROMPT_TOKENS = 8

@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "(a folder chain apply wrote): only the deltas after it are applied, so CHAIN needs only those")
     app.add_argument("--boot", type=Path, help="slime: the engine's boot weights (version 0)")
     app.add_argument("--workers", type=int)
+    app.add_argument("--no-fsync", dest="durable", action="store_false",
+                     help="do not wait for the output to reach the disk (faster; after a power cut the folder may "
+                     "hold torn files: for a copy you would rebuild, as a hot-load does)")
     app.add_argument("--cache", type=Path, help="with a store: where downloaded snapshots are kept "
                      "(default ~/.cache/posttrain/chains)")
     app.add_argument("--endpoint-url", help="with an s3:// store: the S3 endpoint")
@@ -81,6 +84,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A transient rich bar on a terminal's stderr; no bar (and no rich to import) otherwise."""
+    import sys
+
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
@@ -143,7 +152,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         total = _version_bytes(chain, args.version, held, args.held, args.boot)
         with progress_bar("applying", total) as advance:
             r = reconstruct(chain, args.version, args.out, held_dir=args.held, boot_dir=args.boot,
-                            workers=args.workers, progress=advance)
+                            workers=args.workers, progress=advance, durable=args.durable)
     except (ChecksumMismatch, FormatError):
         for name in fetched:  # a damaged cached copy: the next run downloads it again
             shutil.rmtree(chain / name, ignore_errors=True)
