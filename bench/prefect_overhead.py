@@ -264,6 +264,8 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
     from posttrain.cluster import LocalConfig
     from posttrain.datasets.staging import read_staged_rows, stage_dataset
     from posttrain.pipeline.blocks import InferenceDeployment, ObjectStore
+    from posttrain.pipeline.tasks.publishing import publish_config
+    from posttrain.publish import Publisher
     from posttrain.rollouts.rounds import shard_specs
     from posttrain.rollouts.shard import merge_rollouts, run_shard
     from posttrain.runs.job import TrainingSettings
@@ -283,8 +285,7 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
     with ThreadPoolExecutor(settings.shards) as pool:
         for r in range(settings.rounds):
             t0 = time.perf_counter()
-            publisher = open_publisher_at(store, settings, run_dir)
-            with publisher:
+            with Publisher(store.open(), publish_config(settings), owns_store=True) as publisher:
                 snapshot = publisher.publish_step(Path(current), r)
             with deployment.hot_loader() as loader:
                 loaded = loader.hot_load(snapshot.identity,
@@ -309,18 +310,6 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
             current = str(wait_for_result(job, cluster).checkpoint)
             walls.append(time.perf_counter() - t0)
     return walls
-
-
-def open_publisher_at(store, settings, run_dir: Path):
-    """The flow's publisher (``open_publisher``'s settings) on a store block built here."""
-    from posttrain.chain.policy import ChainPolicy
-    from posttrain.publish import PublishConfig, Publisher
-
-    p = settings.publish
-    config = PublishConfig(run=settings.run_name, work_dir=run_dir / "publish", flavor=p.flavor,
-                           policy=ChainPolicy(max_deltas=p.max_deltas, delta_budget=p.delta_budget),
-                           max_shard_size=p.max_shard_size, retention=p.retention, async_publish=False)
-    return Publisher(store.open(), config, owns_store=True)
 
 
 def run(args: argparse.Namespace) -> dict:

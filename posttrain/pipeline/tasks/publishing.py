@@ -25,13 +25,18 @@ from posttrain.publish import PublishConfig, PublishedSnapshot, Publisher
 from posttrain.publish.content import saved_at
 
 
+def publish_config(run: RunSettings) -> PublishConfig:
+    """The publisher's settings for a run's chain: synchronous, its work folder in the run's folder."""
+    p = run.publish
+    return PublishConfig(run=run.run_name, work_dir=run.run_dir / "publish", flavor=p.flavor,
+                         policy=ChainPolicy(max_deltas=p.max_deltas, delta_budget=p.delta_budget),
+                         max_shard_size=p.max_shard_size, retention=p.retention, async_publish=False)
+
+
 def open_publisher(run: RunSettings) -> Publisher:
     """A synchronous publisher of the run's chain into the run's store block; closing it closes the store."""
+    config = publish_config(run)
     store = load_block(run.store, "store").open()
-    p = run.publish
-    config = PublishConfig(run=run.run_name, work_dir=run.run_dir / "publish", flavor=p.flavor,
-                           policy=ChainPolicy(max_deltas=p.max_deltas, delta_budget=p.delta_budget),
-                           max_shard_size=p.max_shard_size, retention=p.retention, async_publish=False)
     try:
         return Publisher(store, config, owns_store=True)
     except BaseException:
