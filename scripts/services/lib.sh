@@ -30,6 +30,13 @@ pid_alive() {
   tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$2"
 }
 
+# still_starting PIDFILE: the process a start script just started is still there. Its command line
+# is not checked (pid_alive's PATTERN): while a process execs, /proc/PID/cmdline can read empty, and
+# a start script took a SeaweedFS that was coming up for one that had exited.
+still_starting() {
+  [ -s "$1" ] && running "$(cat "$1")"
+}
+
 # wait_gone PID TENTHS: wait up to TENTHS/10 s for PID to exit.
 wait_gone() {
   local i

@@ -29,7 +29,7 @@ setsid env PREFECT_API_URL="${PREFECT_API_URL:-http://127.0.0.1:${PREFECT_PORT:-
 echo $! > "$PIDF"
 for _ in $(seq 600); do
   grep -q "started" "$LOG" && break
-  pid_alive "$PIDF" prefect || { echo "worker exited; see $LOG:" >&2; tail -5 "$LOG" >&2; rm -f "$PIDF"; exit 1; }
+  still_starting "$PIDF" || { echo "worker exited; see $LOG:" >&2; tail -5 "$LOG" >&2; rm -f "$PIDF"; exit 1; }
   sleep 0.1
 done
 grep -q "started" "$LOG" || { echo "worker did not start in 60 s; see $LOG" >&2; exit 1; }

@@ -87,7 +87,7 @@ fi
 
 for _ in $(seq 900); do
   healthy && break
-  pid_alive "$PIDF" prefect || { echo "Prefect server exited; see $RUN/server.log" >&2; rm -f "$PIDF"; exit 1; }
+  still_starting "$PIDF" || { echo "Prefect server exited; see $RUN/server.log" >&2; rm -f "$PIDF"; exit 1; }
   sleep 0.1
 done
 healthy || { echo "Prefect server not healthy after 90 s; see $RUN/server.log" >&2; exit 1; }

@@ -127,7 +127,7 @@ for _ in $(seq 50); do [ -s "$PIDF" ] && break; sleep 0.1; done
 
 for _ in $(seq 300); do
   port_open "$PORT" && break
-  pid_alive "$PIDF" weed || { echo "SeaweedFS exited; see $RUN/weed.log" >&2; rm -f "$PIDF"; exit 1; }
+  still_starting "$PIDF" || { echo "SeaweedFS exited; see $RUN/weed.log" >&2; rm -f "$PIDF"; exit 1; }
   sleep 0.1
 done
 if ! round_trip; then

@@ -82,7 +82,7 @@ for _ in $(seq 50); do [ -s "$PIDF" ] && break; sleep 0.1; done
 
 deadline=$(($(date +%s) + TIMEOUT))
 until health; do
-  if ! pid_alive "$PIDF" "$PATTERN"; then
+  if ! still_starting "$PIDF"; then
     echo "vLLM exited before it was ready; last lines of $LOG:" >&2
     tail -n 40 "$LOG" >&2
     bash "$(dirname "$0")/stop-vllm.sh" >&2 || true  # its children may outlive it
