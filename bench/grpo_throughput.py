@@ -37,13 +37,11 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,42 +57,7 @@ MODES = {"per_round": ("per_round", 0), "resident": ("resident", 0), "async1": (
          "async2": ("resident", 2)}
 INFERENCE_CORE, TRAINING_CORE = 0, 1
 
-
-def pin(core: int):
-    """A preexec_fn pinning a child process to ``core`` (when the machine has it)."""
-    cores = {core} if core < (os.cpu_count() or 1) else None
-    return (lambda: os.sched_setaffinity(0, cores)) if cores else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_inference(base: Path, store: Path, work: Path, token: str) -> tuple[subprocess.Popen, str]:
-    """``posttrain serve`` (the reference server) on core 0; its URL once /health answers."""
-    port = free_port()
-    log = open(work / "inference.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "posttrain", "serve", "--model", str(base), "--served-model-name", "tiny",
-         "--port", str(port), "--deployment-id", "dep-bench", "--store", str(store), "--token-env", "BENCH_TOKEN",
-         "--work-dir", str(work / "inference"), "--device", "cpu", "--log-level", "warning"],
-        env={**os.environ, "BENCH_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
-        preexec_fn=pin(INFERENCE_CORE))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the inference server exited {proc.returncode}; see {work / 'inference.log'}")
-        try:
-            request = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
-            with urllib.request.urlopen(request, timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("the inference server did not answer /health in 180 s")
+from inference_server import pin, start_inference  # noqa: E402 - bench/, beside this file
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -116,7 +79,7 @@ def run_one(args: argparse.Namespace) -> dict:
     run_root = Path(tempfile.mkdtemp(prefix=f"{args.mode}-s{args.seed}-", dir=work))
     store = run_root / "store"
     token = secrets.token_urlsafe(16)
-    server, url = start_inference(base, store, run_root, token)
+    server, url = start_inference(base, store, run_root, token, core=INFERENCE_CORE)
     trainer_job, k = MODES[args.mode]
     try:
         save_default_blocks(store_dir=store, server_url=url, deployment_id="dep-bench", model="tiny", token=token)

@@ -1,8 +1,8 @@
 """Benchmark: what Prefect costs a GRPO round, against the same round without Prefect.
 
 Runs the ``grpo`` flow (``trainer_job: per_round``) against a Prefect server, with the tiny model,
-toy prompts, a folder store, the in-process reference inference server and a local training
-process, then the same rounds without Prefect. Every task body of a round is timed by wrapping the
+toy prompts, a folder store, the reference inference server (a ``posttrain serve`` process, as a
+deployment runs beside a flow) and a local training process, then the same rounds without Prefect. Every task body of a round is timed by wrapping the
 task's function (publish-checkpoint, hot-load, the ``rollout-shard`` tasks, train-step); every API
 request of the flow's clients is counted. Per round:
 
@@ -251,11 +251,11 @@ def matrix(args: argparse.Namespace) -> None:
               f"{m['gap_end']:>9.2f} {m['server_cpu']:>8.1f}/{m['client_cpu']:<8.1f} {l0:>10.2f}/{l1:<10.2f}")
 
 
-def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: Path) -> list[float]:
+def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: Path) -> list[dict[str, float]]:
     """The same rounds without Prefect: the engine functions the flow's tasks call, in a plain loop
     (publish, hot-load, the round's shards in as many threads as shards, merge, a local step job),
-    on the same store, inference server and settings; each round's wall time, timed as the flow
-    times "round s" (publish to the step's checkpoint)."""
+    on the same store, inference server and settings. Per round: its wall time, timed as the flow
+    times "round s" (publish to the step's checkpoint), and each stage's (STAGES)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoTokenizer
@@ -287,14 +287,19 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
             t0 = time.perf_counter()
             with Publisher(store.open(), publish_config(settings), owns_store=True) as publisher:
                 snapshot = publisher.publish_step(Path(current), r)
+            t1 = time.perf_counter()
             with deployment.hot_loader() as loader:
                 loaded = loader.hot_load(snapshot.identity,
                                          base_identity=snapshot.base if snapshot.kind == "delta" else None)
+            t2 = time.perf_counter()
             round_dir = run_dir / "rounds" / f"{r:04d}"
             specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
                                 policy_version=r, round_dir=round_dir, identity=loaded.identity)
 
+            starts = []
+
             def shard(spec, tokenizer_dir=current):
+                starts.append(time.perf_counter())
                 client = deployment.completions()
                 try:
                     return run_shard(spec, settings.rollout, client, AutoTokenizer.from_pretrained(tokenizer_dir))
@@ -302,13 +307,16 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
                     client.close()
 
             results = list(pool.map(shard, specs))
+            t3 = time.perf_counter()
             rollouts = merge_rollouts([x.path for x in results], round_dir / "rollouts.jsonl")
             trainer = grpo_module.step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts,
                                                max_staleness=0)
             job, _ = submit_once(TrainingSettings.for_pipeline(job_name(f"{settings.run_name}-step"), cluster, trainer),
                                  round_dir / "train-job.json")
             current = str(wait_for_result(job, cluster).checkpoint)
-            walls.append(time.perf_counter() - t0)
+            t4 = time.perf_counter()
+            walls.append({"wall": t4 - t0, "publish": t1 - t0, "hot-load": t2 - t1, "sample": t3 - t2,
+                          "train": t4 - t3, "shard starts": max(starts) - min(starts)})
     return walls
 
 
@@ -322,8 +330,7 @@ def run(args: argparse.Namespace) -> dict:
     from posttrain.pipeline.parameters import to_parameters
     from posttrain.pipeline.settings import GrpoSettings
     from posttrain.pipeline.tasks import publishing, rollouts, training
-    from posttrain.serve.serve_config import ServeConfig
-    from posttrain.serve.server import InferenceServer
+    from inference_server import start_inference  # bench/, beside this file
 
     client_log = logging.getLogger("prefect.client")
     client_log.setLevel(logging.DEBUG)
@@ -341,11 +348,11 @@ def run(args: argparse.Namespace) -> dict:
     dataset = write_toy_jsonl(work / "prompts.jsonl", n=max(prompts, 16), seed=0, task="mixed")
     store = work / "store"
     token = secrets.token_urlsafe(16)
-    server = InferenceServer(ServeConfig(model_dir=base, served_model_name="tiny", port=0,
-                                         deployment_id="dep-bench", store=str(store), token=token,
-                                         work_dir=work / "inference", device="cpu")).start()
+    # a `posttrain serve` process, as an inference deployment is: in this process its request
+    # handling would queue on the GIL behind the flow's Python (and the floor's)
+    server, server_url = start_inference(base, store, work, token, core=None)
     try:
-        save_default_blocks(store_dir=store, server_url=server.url, deployment_id="dep-bench", model="tiny",
+        save_default_blocks(store_dir=store, server_url=server_url, deployment_id="dep-bench", model="tiny",
                             token=token)
         LocalCluster(settings=LocalConfig(folder=str(work / "jobs"))).save(DEFAULT, overwrite=True)
         settings = GrpoSettings(
@@ -357,13 +364,14 @@ def run(args: argparse.Namespace) -> dict:
             trainer_job="per_round",  # a round is publish, hot-load, sample, one step job: as the floor's
         )
         # the floor's rounds before and after the flow's: neither side has all the warm caches
-        floor = floor_rounds(settings, store, server.url, token, work / "floor-before")
+        floor = floor_rounds(settings, store, server_url, token, work / "floor-before")
         t0 = time.perf_counter()
         report = grpo_module.grpo(**to_parameters(settings))
         flow_wall = time.perf_counter() - t0
-        floor += floor_rounds(settings, store, server.url, token, work / "floor-after")
+        floor += floor_rounds(settings, store, server_url, token, work / "floor-after")
     finally:
-        server.shutdown()
+        server.terminate()
+        server.wait(30)
         shutil.rmtree(work, ignore_errors=True)
 
     runs_per_round = 1 + 1 + args.shards + 1  # publish, hot-load, a task per shard, train
@@ -376,7 +384,7 @@ def run(args: argparse.Namespace) -> dict:
           f"(POSTTRAIN_PREFECT_DB={os.environ.get('POSTTRAIN_PREFECT_DB', 'sqlite')})")
     print(header)
     print("-" * len(header))
-    rows = []
+    rows, stages = [], []
     per_round_calls: list[list[str]] = []
     for row in report.rounds:
         r = row["round"]
@@ -401,6 +409,12 @@ def run(args: argparse.Namespace) -> dict:
               f"{sum(e - s for _, _, s, e, _ in samples):>12.2f} {union([(s, e) for _, _, s, e, _ in samples]):>14.2f} "
               f"{answers:>4} {retries:>9} "
               f"{gaps[0]:>12.2f} {gaps[1]:>12.2f} {gaps[2]:>12.2f}")
+        stages.append({"wall": wall, "publish": sum(e - s for lb, _, s, e, _ in bodies if lb == "publish"),
+                       "hot-load": sum(e - s for lb, _, s, e, _ in bodies if lb == "hot-load"),
+                       "sample": union([(s, e) for _, _, s, e, _ in samples]),
+                       "train": sum(e - s for lb, _, s, e, _ in bodies if lb == "train"),
+                       # first to last shard body start: how staggered the shards reach the server
+                       "shard starts": max(s for _, _, s, _, _ in samples) - min(s for _, _, s, _, _ in samples)})
         rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
                      "per_run_ms": 1000 * overhead / runs_per_round,
                      "retries_503": retries, "answers_503": answers, "api_calls": len(calls), "gap_start": gaps[1], "gap_end": gaps[2]})
@@ -413,11 +427,16 @@ def run(args: argparse.Namespace) -> dict:
     if CALLS_503:
         print("answered 503 (whole flow): " + ", ".join(f"{n} {c}" for c, n in Counter(c for _, c in CALLS_503).most_common()))
     print(f"the same rounds without Prefect (floor_rounds, {args.rounds} before the flow and {args.rounds} after), "
-          "wall s: " + " ".join(f"{x:.2f}" for x in floor))
+          "wall s: " + " ".join(f"{x['wall']:.2f}" for x in floor))
+    # where the flow's round is longer than the floor's: each stage's median, side by side (the flow's
+    # train stage is the train-step task's body; the floor's includes merging the shards' rollouts)
+    print("stage medians, s:   " + "  ".join(f"{k:>12}" for k in stages[0]))
+    for name, runs in (("flow", stages), ("floor", floor)):
+        print(f"  {name:<17} " + "  ".join(f"{statistics.median(x[k] for x in runs):>12.2f}" for k in stages[0]))
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
-            "floor": statistics.median(floor)}
+            "floor": statistics.median(x["wall"] for x in floor)}
 
 
 if __name__ == "__main__":
