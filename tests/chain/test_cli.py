@@ -36,8 +36,6 @@ def test_encode_apply_verify_inspect(model_pair, tmp_path):
     applied = posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(out))
     assert f"version {identity}" in applied.stdout and "1 deltas" in applied.stdout
     assert load_bytes(out) == load_bytes(new)
-    posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(tmp_path / "scratch"), "--no-fsync")
-    assert load_bytes(tmp_path / "scratch") == load_bytes(new)
 
     assert "OK, 2 snapshots" in posttrain("chain", "verify", str(chain)).stdout
     inspect = posttrain("chain", "inspect", str(chain), "--density").stdout
@@ -49,6 +47,34 @@ def test_encode_apply_verify_inspect(model_pair, tmp_path):
     again = posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(out), check=False)
     assert again.returncode == 2
     assert again.stderr.strip() == f"posttrain: error: {out} already exists; nothing was overwritten"
+
+
+def test_apply_no_fsync_rebuilds_the_same_bytes_without_syncing_the_shards(model_pair, tmp_path, monkeypatch):
+    """``--no-fsync`` skips the fsync of each rebuilt shard file (the index and the folder are still
+    written atomically); the bytes are the same."""
+    import os
+
+    from posttrain.cli import main
+
+    base, new = model_pair
+    chain = tmp_path / "chain"
+    posttrain("chain", "encode", str(base), "--out", str(chain), "--identity", "full")
+    posttrain("chain", "encode", str(new), "--out", str(chain), "--base", str(base), "--identity", "d1")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert main(["chain", "apply", str(chain), "--version", "d1", "--out", str(tmp_path / "durable")]) == 0
+    # the shards, synced in the staging folder before it moves into place
+    assert [p for p in synced if p.endswith(".safetensors") and "-durable-" in p], synced
+    synced.clear()
+    assert main(["chain", "apply", str(chain), "--version", "d1", "--out", str(tmp_path / "scratch"), "--no-fsync"]) == 0
+    assert not [p for p in synced if p.endswith(".safetensors")], synced
+    assert load_bytes(tmp_path / "scratch") == load_bytes(tmp_path / "durable") == load_bytes(new)
 
 
 def test_slime_encode_derives_versions(model_pair, tmp_path):

@@ -79,3 +79,41 @@ def test_s3_credentials_of_the_environment_echoed_by_the_endpoint_are_never_prin
     assert "AccessDenied" in proc.stderr and "echoed request headers" in proc.stderr  # the capture worked
     assert PLANTED_KEY_ID in "".join(echo_endpoint.seen)  # and the key id was sent
     assert_no_planted(proc.stdout + proc.stderr)
+
+
+@pytest.mark.parametrize("kind", ["validation", "storage", "chain", "other"])
+def test_main_tells_error_kinds_apart_without_importing_their_modules_first(kind, monkeypatch, capsys):
+    """``main`` imports neither pydantic nor the stores up front (a codec command needs neither), yet a
+    command's ValidationError, StorageError or ChainError is still one line and exit status 2; any other
+    error still raises."""
+    import posttrain.cli.chain as chain_cli
+    from posttrain.cli import main
+
+    def failing(args):
+        if kind == "validation":
+            from pydantic import BaseModel, ConfigDict
+
+            class Settings(BaseModel):
+                model_config = ConfigDict(extra="forbid")
+                workers: int
+
+            Settings.model_validate({"workers": "many"})
+        if kind == "storage":
+            from posttrain.storage.errors import NotFound
+
+            raise NotFound("s3://bucket/prefix/v1/index.json does not exist")
+        if kind == "chain":
+            from posttrain.chain.errors import FormatError
+
+            raise FormatError("chain/v1: not a snapshot")
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(chain_cli, "cmd_verify", failing)  # the parser is built at each main() call
+    if kind == "other":
+        with pytest.raises(RuntimeError, match="a bug"):
+            main(["chain", "verify", "x"])
+        return
+    assert main(["chain", "verify", "x"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    expected = {"validation": "workers", "storage": "does not exist", "chain": "not a snapshot"}[kind]
+    assert len(err) == 1 and err[0].startswith("posttrain: error: ") and expected in err[0], err
