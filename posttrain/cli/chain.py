@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from posttrain.cli.s3_args import add_s3_options, s3_options
+
 SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
 
 
@@ -67,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "hold torn files: for a copy you would rebuild, as a hot-load does)")
     app.add_argument("--cache", type=Path, help="with a store: where downloaded snapshots are kept "
                      "(default ~/.cache/posttrain/chains)")
-    app.add_argument("--endpoint-url", help="with an s3:// store: the S3 endpoint")
+    add_s3_options(app)  # with an s3:// store
     app.set_defaults(func=cmd_apply)
 
     ver = csub.add_parser("verify", help="check every snapshot and every delta checksum of a chain")
@@ -180,7 +182,7 @@ def _fetch_from_store(args: argparse.Namespace, held: str | None) -> tuple[Path,
     from posttrain.cli import UsageError
     from posttrain.storage import open_store
 
-    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    options = s3_options(args)
     cache = args.cache or Path.home() / ".cache" / "posttrain" / "chains" / hashlib.sha1(args.chain.encode()).hexdigest()[:16]
     with open_store(args.chain, **options) as store:
         source = SnapshotSource(store, "", cache)

@@ -117,3 +117,19 @@ def test_main_tells_error_kinds_apart_without_importing_their_modules_first(kind
     err = capsys.readouterr().err.splitlines()
     expected = {"validation": "workers", "storage": "does not exist", "chain": "not a snapshot"}[kind]
     assert len(err) == 1 and err[0].startswith("posttrain: error: ") and expected in err[0], err
+
+
+def test_chain_apply_from_a_store_takes_the_s3_options_of_the_other_store_commands(tmp_path, monkeypatch):
+    """--outage-retry 0: an unreachable endpoint is one line at once (by default the store keeps
+    retrying for 120 s, past this helper's 60 s timeout)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "planted-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted-secret")
+    proc = posttrain("chain", "apply", "s3://bucket/p", "--version", "v1", "--out", str(tmp_path / "out"),
+                     "--cache", str(tmp_path / "cache"), "--endpoint-url", "http://127.0.0.1:1", "--region",
+                     "us-east-1", "--outage-retry", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "posttrain: error: get s3://bucket/p/v1/model.safetensors.index.json at http://127.0.0.1:1: "
+        'EndpointConnectionError: Could not connect to the endpoint URL: "http://127.0.0.1:1/bucket/p/v1/'
+        'model.safetensors.index.json"']
+    assert "planted" not in proc.stdout + proc.stderr
