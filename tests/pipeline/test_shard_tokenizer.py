@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 from tests.pipeline.runs import REPO
 
@@ -37,3 +38,36 @@ def test_eight_shards_load_their_tokenizers_at_once_in_a_fresh_process(tiny_mode
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_after_the_first_load_of_a_folder_the_shards_load_their_tokenizers_in_parallel(monkeypatch):
+    """Only the first load runs alone: 64 shards each loading under one lock queued for ~1 s of a
+    round. Here the later loads of a folder must all be in ``from_pretrained`` at the same time
+    (a barrier of seven), which loads made one at a time never are."""
+    import transformers
+
+    from posttrain.pipeline.tasks import rollouts
+
+    calls, barrier, errors = [], threading.Barrier(7, timeout=10), []
+
+    def from_pretrained(path):
+        calls.append(path)
+        if len(calls) > 1:  # the first load is alone by design
+            barrier.wait()
+        return f"tokenizer of {path}"
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(rollouts, "_TOKENIZERS_LOADED", set())
+
+    def shard():
+        try:
+            assert rollouts._load_tokenizer("ckpt-1") == "tokenizer of ckpt-1"
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=shard) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 8, (errors, calls)
