@@ -139,3 +139,33 @@ def test_loopback_hosts_need_no_flag():
         ServeConfig(model_dir=".", deployment_id="d", store=".", token=SecretStr("t"), host=host)
     assert ServeConfig(model_dir=".", deployment_id="d", store=".", token=SecretStr("t"), host="0.0.0.0",
                        allow_remote=True).host == "0.0.0.0"
+
+
+def test_the_reference_engine_makes_openmp_threads_sleep_unless_the_user_chose():
+    """libgomp's threads spin at barriers by default and took the CPU of everything beside a CPU
+    server; the reference engine asks them to sleep, a user's own choice stays, and engines in
+    processes of their own are left alone."""
+    from posttrain.cli.serve import quiet_openmp
+
+    env: dict[str, str] = {}
+    quiet_openmp("reference", env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    quiet_openmp("reference", env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    for engine in ("vllm", "sglang"):
+        env = {}
+        quiet_openmp(engine, env)
+        assert env == {}, engine
+
+
+def test_serve_sets_openmp_before_anything_loads_torch():
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: everything ``cmd_serve`` imports
+    before setting it must leave torch unloaded."""
+    script = ("import sys\n"
+              "import posttrain.cli.serve, posttrain.redact, posttrain.cli, posttrain.serve.serve_config\n"
+              "import pydantic\n"
+              "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+              "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
