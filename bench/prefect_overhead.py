@@ -291,7 +291,7 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
             with deployment.hot_loader() as loader:
                 loaded = loader.hot_load(snapshot.identity,
                                          base_identity=snapshot.base if snapshot.kind == "delta" else None)
-            t2 = time.perf_counter()
+            t2, sample_start = time.perf_counter(), time.time()
             round_dir = run_dir / "rounds" / f"{r:04d}"
             specs = shard_specs(rows, round=r, per_round=settings.prompts_per_round, shards=settings.shards,
                                 policy_version=r, round_dir=round_dir, identity=loaded.identity)
@@ -307,7 +307,7 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
                     client.close()
 
             results = list(pool.map(shard, specs))
-            t3 = time.perf_counter()
+            t3, sample_end = time.perf_counter(), time.time()
             rollouts = merge_rollouts([x.path for x in results], round_dir / "rollouts.jsonl")
             trainer = grpo_module.step_trainer(settings, mode="step", model_name_or_path=current, rollouts=rollouts,
                                                max_staleness=0)
@@ -316,7 +316,8 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
             current = str(wait_for_result(job, cluster).checkpoint)
             t4 = time.perf_counter()
             walls.append({"wall": t4 - t0, "publish": t1 - t0, "hot-load": t2 - t1, "sample": t3 - t2,
-                          "train": t4 - t3, "shard starts": max(starts) - min(starts)})
+                          "train": t4 - t3, "shard starts": max(starts) - min(starts),
+                          "window": (sample_start, sample_end)})
     return walls
 
 
@@ -330,7 +331,8 @@ def run(args: argparse.Namespace) -> dict:
     from posttrain.pipeline.parameters import to_parameters
     from posttrain.pipeline.settings import GrpoSettings
     from posttrain.pipeline.tasks import publishing, rollouts, training
-    from inference_server import start_inference  # bench/, beside this file
+    from cpu_sampler import CpuSampler, pid_in  # bench/, beside these files
+    from inference_server import start_inference
 
     client_log = logging.getLogger("prefect.client")
     client_log.setLevel(logging.DEBUG)
@@ -363,12 +365,22 @@ def run(args: argparse.Namespace) -> dict:
             trainer={"learning_rate": 1e-3, "use_cpu": True},
             trainer_job="per_round",  # a round is publish, hot-load, sample, one step job: as the floor's
         )
+        # where each process spends CPU while the shards sample (the flow's Python, the inference
+        # server, the Prefect server, its database)
+        prefect_dir = Path(os.environ.get("POSTTRAIN_PREFECT_DIR", ""))
+        postgres_dir = Path(os.environ.get("POSTTRAIN_POSTGRES_DIR", ""))
+        sampler = CpuSampler({"bench": os.getpid(), "inference": server.pid,
+                              "prefect": pid_in(prefect_dir / "server.pid"),
+                              "postgres": pid_in(postgres_dir / "data" / "postmaster.pid")},
+                             with_children=("inference", "prefect", "postgres"))
+        sampler.start()
         # the floor's rounds before and after the flow's: neither side has all the warm caches
         floor = floor_rounds(settings, store, server_url, token, work / "floor-before")
         t0 = time.perf_counter()
         report = grpo_module.grpo(**to_parameters(settings))
         flow_wall = time.perf_counter() - t0
         floor += floor_rounds(settings, store, server_url, token, work / "floor-after")
+        sampler.stop()
     finally:
         server.terminate()
         server.wait(30)
@@ -414,7 +426,8 @@ def run(args: argparse.Namespace) -> dict:
                        "sample": union([(s, e) for _, _, s, e, _ in samples]),
                        "train": sum(e - s for lb, _, s, e, _ in bodies if lb == "train"),
                        # first to last shard body start: how staggered the shards reach the server
-                       "shard starts": max(s for _, _, s, _, _ in samples) - min(s for _, _, s, _, _ in samples)})
+                       "shard starts": max(s for _, _, s, _, _ in samples) - min(s for _, _, s, _, _ in samples),
+                       "window": (min(s for _, _, s, _, _ in samples), max(e for _, _, _, e, _ in samples))})
         rows.append({"wall": wall, "overhead": overhead, "overhead_pct": 100 * overhead / wall,
                      "per_run_ms": 1000 * overhead / runs_per_round,
                      "retries_503": retries, "answers_503": answers, "api_calls": len(calls), "gap_start": gaps[1], "gap_end": gaps[2]})
@@ -430,9 +443,18 @@ def run(args: argparse.Namespace) -> dict:
           "wall s: " + " ".join(f"{x['wall']:.2f}" for x in floor))
     # where the flow's round is longer than the floor's: each stage's median, side by side (the flow's
     # train stage is the train-step task's body; the floor's includes merging the shards' rollouts)
-    print("stage medians, s:   " + "  ".join(f"{k:>12}" for k in stages[0]))
+    shown = [k for k in stages[0] if k != "window"]
+    print("stage medians, s:   " + "  ".join(f"{k:>12}" for k in shown))
     for name, runs in (("flow", stages), ("floor", floor)):
-        print(f"  {name:<17} " + "  ".join(f"{statistics.median(x[k] for x in runs):>12.2f}" for k in stages[0]))
+        print(f"  {name:<17} " + "  ".join(f"{statistics.median(x[k] for x in runs):>12.2f}" for k in shown))
+    # CPU seconds each process spent while the shards sampled (medians over rounds): on a machine whose
+    # CPUs the inference server shares, what the flow's side spends there, the sampling waits for
+    names = list(sampler.procs)
+    print("CPU s while sampling:  " + "  ".join(f"{n:>10}" for n in names) + "      total")
+    for name, runs in (("flow", stages), ("floor", floor)):
+        cpu = [sampler.cpu_between(*x["window"]) for x in runs]
+        print(f"  {name:<20} " + "  ".join(f"{statistics.median(c.get(n, 0.0) for c in cpu):>10.2f}" for n in names)
+              + f"  {statistics.median(sum(c.values()) for c in cpu):>9.2f}")
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
