@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.pipeline.runs import REPO
 
@@ -48,7 +49,7 @@ def test_after_the_first_load_of_a_folder_the_shards_load_their_tokenizers_in_pa
 
     from posttrain.pipeline.tasks import rollouts
 
-    calls, barrier, errors = [], threading.Barrier(7, timeout=10), []
+    calls, barrier = [], threading.Barrier(7, timeout=10)
 
     def from_pretrained(path):
         calls.append(path)
@@ -58,16 +59,6 @@ def test_after_the_first_load_of_a_folder_the_shards_load_their_tokenizers_in_pa
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     monkeypatch.setattr(rollouts, "_TOKENIZERS_LOADED", set())
-
-    def shard():
-        try:
-            assert rollouts._load_tokenizer("ckpt-1") == "tokenizer of ckpt-1"
-        except Exception as e:
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=shard) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(calls) == 8, (errors, calls)
+    with ThreadPoolExecutor(8) as shards:  # a broken barrier raises here
+        loaded = list(shards.map(lambda _: rollouts._load_tokenizer("ckpt-1"), range(8)))
+    assert loaded == ["tokenizer of ckpt-1"] * 8 and len(calls) == 8, calls
