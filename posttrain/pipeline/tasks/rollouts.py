@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prefect import get_run_logger, task, unmapped
-from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFutureList
 from prefect.tasks import exponential_backoff
 
@@ -32,11 +31,10 @@ def _round_block(inference: str, spec: ShardSpec):
 
 
 # transformers resolves its names lazily, and not thread-safely: the first shards of a fresh process,
-# importing it at once from their threads, failed with "cannot import name 'AutoTokenizer'". The
-# first load of a tokenizer folder runs alone and resolves them; the others load in parallel, as
-# they did not before: 64 shards queued ~1 s on this lock each round (bench/prefect_overhead.py).
+# importing it at once from their threads, failed with "cannot import name 'AutoTokenizer'". Loads
+# hold the GIL almost throughout, so taking turns costs nothing: 64 loads took 0.16-0.32 s one at a
+# time and 0.26-0.31 s from 64 threads at once.
 _TOKENIZER_LOCK = threading.Lock()
-_TOKENIZERS_LOADED: set[str] = set()
 
 
 def _load_tokenizer(path: str):
@@ -44,13 +42,7 @@ def _load_tokenizer(path: str):
     with _TOKENIZER_LOCK:
         from transformers import AutoTokenizer
 
-        if path not in _TOKENIZERS_LOADED:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            if len(_TOKENIZERS_LOADED) >= 64:
-                _TOKENIZERS_LOADED.clear()
-            _TOKENIZERS_LOADED.add(path)
-            return tokenizer
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
 
 
 def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
@@ -75,12 +67,10 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
 # run, the flow run, its states: 73 per round of 8 shards, 527 of 64) and, on SQLite, 503s that
 # the shards had to take turns to avoid. Measured by bench/prefect_overhead.py against the same
 # rounds without Prefect: 64 shards on PostgreSQL took 1.93x that floor as subflows, 1.14x as
-# tasks (docs/prefect.md). No cache: a shard's replies depend on the served snapshot, not only on
-# its inputs, and Prefect's default policy hashed the inputs and the task's source at every run.
+# tasks (docs/prefect.md).
 rollout_shard_task = task(
     sample_and_score, name="rollout-shard", retries=2, retry_delay_seconds=exponential_backoff(1),
     retry_condition_fn=transient_only, task_run_name="round-{spec.round}-shard-{spec.shard}",
-    cache_policy=NO_CACHE,
 )
 
 
