@@ -141,20 +141,30 @@ def test_loopback_hosts_need_no_flag():
                        allow_remote=True).host == "0.0.0.0"
 
 
-def test_the_reference_engine_makes_openmp_threads_sleep_unless_the_user_chose():
+def test_the_reference_engine_makes_openmp_threads_sleep_unless_the_user_chose(capsys, monkeypatch, chain, tmp_path):
     """libgomp's threads spin at barriers by default and took the CPU of everything beside a CPU
-    server; the reference engine asks them to sleep, a user's own choice stays, and engines in
-    processes of their own are left alone."""
+    server: ``posttrain serve`` asks them to sleep before it builds the server (what the server
+    would start with is recorded here), a user's own choice stays, and engines in processes of
+    their own are left alone."""
+    import posttrain.serve.server
     from posttrain.cli.serve import quiet_openmp
 
-    env: dict[str, str] = {}
-    quiet_openmp("reference", env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    quiet_openmp("reference", env)
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    seen = []
+
+    class Recorder:
+        def __init__(self, config):
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+            raise ValueError("recorded")
+
+    monkeypatch.setattr(posttrain.serve.server, "InferenceServer", Recorder)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset below; restored after the test")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    _serve_error(capsys, monkeypatch, chain, tmp_path)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _serve_error(capsys, monkeypatch, chain, tmp_path)
+    assert seen == ["PASSIVE", "ACTIVE"]
     for engine in ("vllm", "sglang"):
-        env = {}
+        env: dict[str, str] = {}
         quiet_openmp(engine, env)
         assert env == {}, engine
 
