@@ -258,8 +258,6 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
     times "round s" (publish to the step's checkpoint), and each stage's (STAGES)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from transformers import AutoTokenizer
-
     import posttrain.pipeline.flows.grpo as grpo_module
     from posttrain.cluster import LocalConfig
     from posttrain.datasets.staging import read_staged_rows, stage_dataset
@@ -268,6 +266,7 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
     from posttrain.publish import Publisher
     from posttrain.rollouts.rounds import shard_specs
     from posttrain.rollouts.shard import merge_rollouts, run_shard
+    from posttrain.rollouts.tokenizers import shard_tokenizer
     from posttrain.runs.job import TrainingSettings
     from posttrain.runs.once import job_name, submit_once, wait_for_result
 
@@ -302,7 +301,7 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
                 starts.append(time.perf_counter())
                 client = deployment.completions()
                 try:
-                    return run_shard(spec, settings.rollout, client, AutoTokenizer.from_pretrained(tokenizer_dir))
+                    return run_shard(spec, settings.rollout, client, shard_tokenizer(tokenizer_dir))
                 finally:
                     client.close()
 

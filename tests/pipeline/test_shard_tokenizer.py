@@ -1,6 +1,7 @@
-"""The shards of a round load their tokenizers from their threads at once; in a fresh process (a
+"""The shards of a round ask for their tokenizer from their threads at once; in a fresh process (a
 flow run's first round) transformers' lazy imports raced and most shards failed with "cannot import
-name 'AutoTokenizer'". Checked in a fresh interpreter, where nothing imported transformers yet."""
+name 'AutoTokenizer'". Checked in a fresh interpreter, where nothing imported transformers yet
+(tests/rollouts/test_shard_tokenizers.py: what they share, and when it is loaded again)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from tests.pipeline.runs import REPO
 
 SCRIPT = textwrap.dedent("""
     import sys, threading
-    from posttrain.pipeline.tasks.rollouts import _load_tokenizer
+    from posttrain.rollouts.tokenizers import shard_tokenizer
     assert "transformers" not in sys.modules
     errors, vocab = [], []
 
     def shard():
         try:
-            vocab.append(len(_load_tokenizer(sys.argv[1])))
+            vocab.append(len(shard_tokenizer(sys.argv[1])))
         except Exception as e:
             errors.append(repr(e))
 

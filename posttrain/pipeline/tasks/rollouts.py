@@ -13,6 +13,7 @@ from prefect.tasks import exponential_backoff
 from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
+from posttrain.rollouts.tokenizers import shard_tokenizer
 
 # The shards of a round load the inference block once per process (one API call instead of one
 # per shard): keyed by the block and the round's folder, which names the run and the round.
@@ -30,26 +31,11 @@ def _round_block(inference: str, spec: ShardSpec):
         return _BLOCKS[key]
 
 
-# transformers resolves its names lazily, and not thread-safely: the first shards of a fresh process,
-# importing it at once from their threads, failed with "cannot import name 'AutoTokenizer'". Loads
-# hold the GIL almost throughout, so taking turns costs nothing: 64 loads took 0.16-0.32 s one at a
-# time and 0.26-0.31 s from 64 threads at once.
-_TOKENIZER_LOCK = threading.Lock()
-
-
-def _load_tokenizer(path: str):
-    """A tokenizer of its own for a shard (a fast tokenizer is not to be shared between threads)."""
-    with _TOKENIZER_LOCK:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-
-
 def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str, tokenizer_dir: str) -> ShardResult:
     """One shard of a round: sample ``num_generations`` completions per prompt from the deployment,
     score them, write the rollouts (the ``rollout-shard`` task's body)."""
     deployment = _round_block(inference, spec)
-    tokenizer = _load_tokenizer(tokenizer_dir)
+    tokenizer = shard_tokenizer(tokenizer_dir)
     client = deployment.completions()
     try:
         result = run_shard(spec, settings, client, tokenizer)
