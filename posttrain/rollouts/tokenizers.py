@@ -41,8 +41,8 @@ class SharedTokenizer:
     """A tokenizer whose calls take turns: what ``run_shard`` uses of one (``apply_chat_template``,
     ``decode``, ``len``)."""
 
-    def __init__(self, tokenizer, digest: str):
-        self.tokenizer, self.digest = tokenizer, digest
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         self._lock = threading.Lock()
 
     def apply_chat_template(self, *args, **kwargs):
@@ -69,17 +69,18 @@ def tokenizer_digest(folder: str | Path) -> str:
     """The digest of the tokenizer files in ``folder``: equal for two checkpoints of one run. Each
     folder is read once while its files keep their sizes and modification times."""
     folder = Path(folder)
-    if not folder.is_dir():  # a name transformers resolves itself (a hub id): keyed by the name
-        return f"name:{folder}"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: the tokenizer folder does not exist")
     files = _tokenizer_files(folder)
     if not files:
         raise FileNotFoundError(f"{folder}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES[:3])})")
-    signature = (str(folder.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    stats = [(p, p.stat()) for p in files]
+    signature = (str(folder.resolve()), *((p.name, st.st_size, st.st_mtime_ns) for p, st in stats))
     digest = _DIGESTS.get(signature)
     if digest is None:
         h = xxhash.xxh3_128()
-        for p in files:
-            h.update(f"{p.relative_to(folder)}\0{p.stat().st_size}\0".encode())
+        for p, st in stats:
+            h.update(f"{p.relative_to(folder)}\0{st.st_size}\0".encode())
             h.update(p.read_bytes())
         if len(_DIGESTS) >= 1024:
             _DIGESTS.clear()
@@ -95,7 +96,7 @@ def shard_tokenizer(folder: str | Path) -> SharedTokenizer:
         if shared is None:
             from transformers import AutoTokenizer
 
-            shared = SharedTokenizer(AutoTokenizer.from_pretrained(str(folder)), digest)
+            shared = SharedTokenizer(AutoTokenizer.from_pretrained(str(folder)))
             _TOKENIZERS[digest] = shared
             while len(_TOKENIZERS) > MAX_TOKENIZERS:
                 _TOKENIZERS.popitem(last=False)

@@ -69,10 +69,12 @@ def test_changed_tokenizer_files_are_loaded_again(tiny_model_dir, tmp_path, load
     assert loads == [str(folder), str(folder)] and after != before
 
 
-def test_a_folder_without_tokenizer_files_is_named(tmp_path, loads):
+def test_a_folder_without_tokenizer_files_or_missing_is_named(tmp_path, loads):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}: no tokenizer files"):
         shard_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'checkpoint-9'}: the tokenizer folder does not exist"):
+        shard_tokenizer(tmp_path / "checkpoint-9")
     assert loads == []
 
 
@@ -93,7 +95,7 @@ def test_calls_from_the_shards_threads_take_turns():
         apply_chat_template = decode
 
     recording = Recording()
-    shared = tokenizers.SharedTokenizer(recording, "digest")
+    shared = tokenizers.SharedTokenizer(recording)
     threads = [threading.Thread(target=lambda i=i: (shared.decode([i]), shared.apply_chat_template([i])))
                for i in range(8)]
     for t in threads:
