@@ -38,14 +38,35 @@ def run_grpo(settings):
     return state, state.state_details.flow_run_id
 
 
+def count_tokenizer_loads(monkeypatch) -> list[str]:
+    """The folders the rollout shards' tokenizer cache (emptied here) loads, in order."""
+    from collections import OrderedDict
+
+    import transformers
+
+    from posttrain.rollouts import tokenizers
+
+    monkeypatch.setattr(tokenizers, "_TOKENIZERS", OrderedDict())
+    loads, real = [], transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(path, *args, **kwargs):
+        loads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    return loads
+
+
 @pytest.mark.timeout(240)
 def test_rollout_shards_of_a_round_run_concurrently(tiny_setup, monkeypatch):
     # Every shard's body lasts >= 3 s (one prompt, a reward function that sleeps), so shards run one
     # after the other would take >= 12 s and never overlap.
     monkeypatch.setenv(SLOW_SECONDS_ENV, "3")
+    loads = count_tokenizer_loads(monkeypatch)
     state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-overlap", shards=4,
                                                 reward_funcs=["tests.pipeline.flaky:slow_reward"]))
     assert state.is_completed(), state.message
+    assert loads == [str(tiny_setup.base_model)], loads  # the four shards share one tokenizer load
     report = state.result()
     assert report.rounds[0]["samples"] > 0
 

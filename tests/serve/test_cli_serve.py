@@ -157,7 +157,9 @@ def test_the_reference_engine_makes_openmp_threads_sleep_unless_the_user_chose(c
             raise ValueError("recorded")
 
     monkeypatch.setattr(posttrain.serve.server, "InferenceServer", Recorder)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "unset below; restored after the test")
+    # set, then unset: monkeypatch then restores the variable after the test even where it was
+    # absent (a bare delenv of an absent one records nothing, and the PASSIVE set by the server leaks)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "placeholder")
     monkeypatch.delenv("OMP_WAIT_POLICY")
     _serve_error(capsys, monkeypatch, chain, tmp_path)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
