@@ -51,10 +51,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = run_training(config, stop_event=stop)
-        # every rank at the end before any leaves the group: a rank that tore its gloo group down
-        # while another still wrote its checkpoint once aborted at exit ("terminate called without
-        # an active exception"). Not after an error: the other ranks may never get here.
-        distributed.barrier()
     except (ConfigError, StagingError, RolloutError, StepError, RoundError) as e:
         print(f"posttrain.trainer: error: {e}", file=sys.stderr)
         return 2
