@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -26,7 +26,7 @@ from posttrain.serve.stages import STAGES
 
 if TYPE_CHECKING:
     from posttrain.serve.engine import Engine
-    from posttrain.serve.hotload_service import HotLoadService
+    from posttrain.serve.operations import Replica
     from posttrain.storage import Store
 
 log = redact.logger(__name__)
@@ -39,6 +39,13 @@ LEDGER_RUNS = ".posttrain/runs/"
 LOOKUP_RETRY_S = 60.0  # a publish time that could not be read is asked for again after this
 _STEP_RE = re.compile(r"^step-(\d+)-")
 _SLIME_RE = re.compile(r"^weight_v(\d+)$")
+
+
+class ReplicaSource(Protocol):
+    """What the replica series are read from at scrape time: the hot-load service. A protocol, so
+    that the service, which reports its hot-loads here, is imported by this module neither way."""
+
+    def replica_states(self) -> list[Replica]: ...
 
 
 def policy_version(identity: str | None) -> str:
@@ -118,7 +125,7 @@ class ServeMetrics:
         self.hotloads.labels(outcome="completed", reason="")
         self.requests.labels(status="200")
 
-    def watch(self, service: HotLoadService, engine: Engine, publish_times: PublishTimes | None) -> None:
+    def watch(self, service: ReplicaSource, engine: Engine, publish_times: PublishTimes | None) -> None:
         """Read the replica and version series from ``service`` and ``engine`` at every scrape."""
         self.registry.register(_ServedCollector(service, engine, publish_times))
 
@@ -162,7 +169,7 @@ class _Completion:
 class _ServedCollector:
     """Replica and version series, read from the server at scrape time."""
 
-    def __init__(self, service: HotLoadService, engine: Engine, publish_times: PublishTimes | None):
+    def __init__(self, service: ReplicaSource, engine: Engine, publish_times: PublishTimes | None):
         self.service, self.engine, self.publish_times = service, engine, publish_times
 
     def describe(self) -> list:
