@@ -5,24 +5,31 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from posttrain import redact
 from posttrain.serve.metrics import CONTENT_TYPE, ServeMetrics
-from posttrain.serve.serve_config import metrics_need_token
-
-if TYPE_CHECKING:
-    from posttrain.serve.server import InferenceServer
+from posttrain.serve.serve_config import ServeConfig, metrics_need_token
 
 log = redact.logger(__name__)
+
+
+class MetricsApp(Protocol):
+    """What the metrics port serves from: the server (``InferenceServer``), which opens this port. A
+    protocol, so that this module does not import the server back."""
+
+    config: ServeConfig
+    metrics: ServeMetrics
+
+    def authorized(self, header: str | None) -> bool: ...
 
 
 class MetricsPort:
     """The metrics port's server: bound at once (``error`` naming the port when it cannot be), listening
     from ``activate``, served from ``start`` in a thread of its own."""
 
-    def __init__(self, app: InferenceServer, host: str, port: int, error: type[Exception]):
+    def __init__(self, app: MetricsApp, host: str, port: int, error: type[Exception]):
         class Handler(_MetricsHandler):
             pass
 
@@ -64,7 +71,7 @@ def send_metrics(handler: BaseHTTPRequestHandler, metrics: ServeMetrics) -> None
 class _MetricsHandler(BaseHTTPRequestHandler):
     """The metrics port: ``GET /metrics`` only (with the token unless ``metrics_need_token`` is false)."""
 
-    app: InferenceServer
+    app: MetricsApp
     server_version = "posttrain-serve"
     timeout = 30
 
