@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from posttrain.datasets.staging import load_manifest, read_staged_rows
 from posttrain.pipeline.settings import PromotionSettings
@@ -30,7 +31,7 @@ def latest_snapshot(store: str, run: str) -> str:
     return latest.identity
 
 
-@task(name="evaluate-and-promote", task_run_name="promote-{candidate}")
+@task(name="evaluate-and-promote", task_run_name="promote-{candidate}", cache_policy=NO_CACHE)
 def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings, reward_funcs: list[str] | None,
                          manifest: str, tokenizer: str, store: str, staging: str, production: str) -> Promotion:
     """Evaluate ``candidate`` and production's champion on staging; promote the candidate when the gate
@@ -53,7 +54,7 @@ def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings,
     return done
 
 
-@task(name="roll-back", task_run_name="rollback-to-{to}")
+@task(name="roll-back", task_run_name="rollback-to-{to}", cache_policy=NO_CACHE)
 def roll_back(to: str, run: str, reason: str | None, store: str, production: str) -> Rollback:
     """Make production serve ``to`` again and record it; a retry finds its record and records nothing new."""
     logger = get_run_logger()
