@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
@@ -44,7 +45,7 @@ def open_publisher(run: RunSettings) -> Publisher:
         raise
 
 
-@task(name="publish-checkpoint", retries=3, retry_delay_seconds=exponential_backoff(2),
+@task(name="publish-checkpoint", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(2),
       retry_condition_fn=transient_only, task_run_name="publish-step-{step}")
 def publish_checkpoint(checkpoint: str, step: int, run: RunSettings) -> PublishedSnapshot:
     """Encode and upload one checkpoint; a retry finds what was published and uploads nothing."""
@@ -58,7 +59,7 @@ def publish_checkpoint(checkpoint: str, step: int, run: RunSettings) -> Publishe
     return done
 
 
-@task(name="merge-lora", retries=2, retry_delay_seconds=exponential_backoff(2),
+@task(name="merge-lora", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(2),
       retry_condition_fn=transient_only, task_run_name="merge-step-{step}")
 def merge_lora(adapter: str, step: int, run: RunSettings) -> str:
     """Merge a LoRA checkpoint into the run's base: ``<run dir>/merged/checkpoint-<step>``, a model
@@ -72,7 +73,7 @@ def merge_lora(adapter: str, step: int, run: RunSettings) -> str:
     return str(out)
 
 
-@task(name="pack-lora", retries=2, retry_delay_seconds=exponential_backoff(2),
+@task(name="pack-lora", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(2),
       retry_condition_fn=transient_only, task_run_name="pack-step-{step}")
 def pack_lora(adapter: str, step: int, run: RunSettings) -> str:
     """Pack a LoRA checkpoint to be published alone: ``<run dir>/packed/checkpoint-<step>``. It must
@@ -104,7 +105,7 @@ def retried(exc: BaseException) -> bool:
     return context.task_run.run_count <= (context.task.retries or 0)
 
 
-@task(name="hot-load", retries=2, retry_delay_seconds=exponential_backoff(5), retry_condition_fn=transient_only,
+@task(name="hot-load", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(5), retry_condition_fn=transient_only,
       task_run_name="hot-load-{snapshot.identity}")
 def hot_load(snapshot: PublishedSnapshot, run: RunSettings) -> HotLoadResult:
     """Make the deployment serve ``snapshot``; a failed delta falls back to a full snapshot."""

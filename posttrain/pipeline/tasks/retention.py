@@ -10,6 +10,7 @@ task fails, naming why."""
 from __future__ import annotations
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from posttrain.pipeline.settings import GcSettings
@@ -36,7 +37,7 @@ def summary(plan: GcPlan, result: GcResult) -> dict:
             "skipped": dict(result.skipped)}
 
 
-@task(name="collect-garbage", retries=2, retry_delay_seconds=exponential_backoff(5),
+@task(name="collect-garbage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(5),
       retry_condition_fn=transient_only)
 def collect_garbage(store_ref: str, gc: GcSettings, protect: list[str], *, inference: list[str] | None = None,
                     card: str | None = None) -> dict:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from posttrain.datasets.staging import StagedDataset, stage_dataset
 
 
-@task(name="stage-dataset")
+@task(name="stage-dataset", cache_policy=NO_CACHE)
 def stage(source: str, shared_dir: str) -> StagedDataset:
     """Content-addressed: staging the same data again copies nothing."""
     staged = stage_dataset(source, shared_dir)

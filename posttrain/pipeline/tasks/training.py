@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.logging.loggers import flow_run_logger
 
 from posttrain.cluster import ClusterConfig
@@ -37,7 +38,11 @@ def cluster_settings(cluster_ref: str) -> ClusterConfig:
     return load_block(cluster_ref, "cluster").settings
 
 
-@task(name="submit-training", task_run_name="submit-{name}")
+# Never a cached result (NO_CACHE), here or in any task with an effect outside the flow run: with
+# result persistence on (PREFECT_RESULTS_PERSIST_BY_DEFAULT), Prefect's default policy keys a result
+# by the task's inputs, source and flow run id, so a retried flow run's second ``submit`` after
+# ``retire_if_ended`` got the dead job's record back instead of submitting again, on every retry.
+@task(name="submit-training", task_run_name="submit-{name}", cache_policy=NO_CACHE)
 def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str, card: str | None = None) -> JobRecord:
     """Submit the trainer once: a marker left by an earlier attempt returns that job instead.
     ``card``: the run name keying the flow run's training-job artifact (default ``name``)."""
@@ -53,7 +58,7 @@ def submit(cluster_ref: str, name: str, trainer: TrainerConfig, marker: str, car
     return job
 
 
-@task(name="train-step", task_run_name="train-step-round-{round}")
+@task(name="train-step", task_run_name="train-step-round-{round}", cache_policy=NO_CACHE)
 def train_step(cluster_ref: str, run_name: str, round: int, trainer: TrainerConfig, marker: str,
                card: str | None = None) -> str:
     """One GRPO step on the round's rollouts, on the cluster; returns the new checkpoint folder."""
