@@ -1,5 +1,6 @@
 """Durable file-system writes shared by the engines: one way to replace a file atomically,
-and one way to move a folder built under a temporary name into place."""
+and one way to move a folder built under a temporary name into place; and one way to read a
+file another process appends to (``written_lines``)."""
 
 from __future__ import annotations
 
@@ -155,3 +156,16 @@ def write_behind(fd: int, offset: int, length: int) -> None:
     """
     if _SYNC_FILE_RANGE is not None and length > 0:
         _SYNC_FILE_RANGE(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; errors surface at fsync
+
+
+def written_lines(path: str | os.PathLike[str]) -> list[tuple[int, bytes]]:
+    """The lines of a file another process appends to (one line per write), each ending in its
+    newline, as (line number from 1, bytes without the newline): what the writer finished.
+
+    A reader can catch the writer mid-line, and an NFS client can see the file's new size before
+    its bytes, which it reads as NULs. So trailing NUL bytes, and a last line without its newline,
+    are not written yet: left out, never an error. A bad line before them is the caller's to
+    refuse (naming the file and the line number). FileNotFoundError when there is no file."""
+    data = Path(path).read_bytes().rstrip(b"\0")
+    complete = data[: data.rfind(b"\n") + 1]  # empty when no line has its newline yet
+    return list(enumerate(complete.splitlines(), start=1))

@@ -46,6 +46,7 @@ from posttrain.cluster import checks
 from posttrain.cluster.config import CONFIG_TYPES, KubernetesConfig, LocalConfig, SlurmConfig
 from posttrain.cluster.errors import ConfigError
 from posttrain.cluster.spec import NAME_MAX, JobName, JobSpec, RunId, new_run_id
+from posttrain.fsutil import written_lines
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.timeline import timeline_file_for
 
@@ -227,16 +228,30 @@ def timeline_path(output_dir: str | Path, name: str, run_id: str) -> str:
     return timeline_file_for(results_path(output_dir, name, run_id))
 
 
+class ResultsFileError(ValueError):
+    """A finished line of a job's results file is not a ``TrainingResult`` (names the file and line)."""
+
+
 def read_results(output_dir: str | Path, name: str, run_id: str) -> list[TrainingResult]:
     """The TrainingResult of every attempt of run ``name``/``run_id`` that ended on its own (completed
     or stopped to be requeued), oldest first, read from ``output_dir`` as this machine sees it; a
-    killed attempt leaves none. Empty when the results file does not exist (yet)."""
+    killed attempt leaves none. Empty when the results file does not exist (yet). A last line still
+    being written (no newline yet, or NULs as an NFS client may see them) is not read; a finished
+    line that is not a result is a ``ResultsFileError``."""
     path = Path(results_path(output_dir, name, run_id))
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = written_lines(path)  # the job appends in place: a line being written is not read yet
     except FileNotFoundError:
         return []
-    return [TrainingResult.model_validate_json(line) for line in lines if line.strip()]
+    found = []
+    for number, line in lines:
+        if not line.strip():
+            continue
+        try:
+            found.append(TrainingResult.model_validate_json(line))
+        except ValidationError as e:
+            raise ResultsFileError(f"{path}, line {number}: not a trainer result ({e.errors()[0]['msg']})") from None
+    return found
 
 
 def training_job_spec(config: TrainingSettings) -> JobSpec:

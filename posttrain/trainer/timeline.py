@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.fsutil import written_lines
+
 RESULTS_SUFFIX = ".results.jsonl"
 TIMELINE_SUFFIX = ".timeline.jsonl"
 
@@ -196,6 +198,7 @@ def parse_timeline(lines: list[str]) -> list[Attempt]:
 def read_timeline(path: str | os.PathLike[str]) -> list[Attempt]:
     """The attempts recorded in a timeline file; empty when it does not exist (yet)."""
     try:
-        return parse_timeline(Path(path).read_text(encoding="utf-8").splitlines())
+        lines = written_lines(path)  # appended in place: a line being written is not read yet
     except FileNotFoundError:
         return []
+    return parse_timeline([line.decode("utf-8", errors="replace") for _, line in lines])
