@@ -6,7 +6,14 @@ What is scrubbed (replaced by ``***``):
 - every value handed to ``remember`` (S3 credentials from a store's config or resolved from its
   profile, a job's ``secrets:`` values read at submit time), also in its URL-encoded form;
 - the S3 credentials of this process's environment (``S3_ENV``), read at each call;
-- the userinfo of every URL (``http://user:pw@host`` -> ``http://***@host``; see ``URL_USERINFO``).
+- the userinfo of every URL (``http://user:pw@host`` -> ``http://***@host``; see ``URL_USERINFO``);
+- the value of a URL's query parameter whose name reads as a credential's (``?sig=...``,
+  ``X-Amz-Signature=...``, ``api_key=...``: ``secret_name``, ``QUERY_SECRETS``);
+- the value of a connection string's credential key (``AccountKey=...;``, ``Password=...``:
+  ``CONNECTION_KEYS``).
+
+What reads as a credential (``secret_name``, ``credential_in``) is decided here too, so that what
+refuses a credential (a job's plain ``env``, a block's URL) and what masks one agree.
 
 ``scrub_exception`` rewrites, in place, the messages of an exception and of the exceptions it was
 raised from, so a traceback printed or logged later shows no secret either (the chain itself is
@@ -33,6 +40,47 @@ MIN_LENGTH = 8
 # the user, the userinfo runs to the URL's last "@" (an "@" in a path after a port is masked with it:
 # more than needed, never less); a user alone ends at the first "/", "?" or "#".
 URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)(?:[^/?#\s@'\"]*:[^\s'\"]*|[^/?#\s'\"]+)@")
+# A URL (to its first blank or quote), and one query parameter of it: name=value.
+URL = re.compile(r"(?i)\b[a-z][a-z0-9+.\-]*://[^\s'\"<>]+")
+QUERY_PARAM = re.compile(r"([?&;])([^=&#?;\s]+)=([^&#;\s]*)")
+# Query parameters that carry a credential although secret_name does not read them as one: signed
+# URLs' signatures (an Azure SAS's sig, S3's X-Amz-Signature, Google's X-Goog-Signature).
+QUERY_SECRETS = frozenset({"SIG", "SIGNATURE", "X_AMZ_SIGNATURE", "X_GOOG_SIGNATURE"})
+# Keys of a connection string (``Key=value;Key=value``: Azure storage and Service Bus, ADO.NET, ODBC)
+# whose value is a credential.
+CONNECTION_KEYS = ("AccountKey", "SharedAccessKey", "SharedAccessSignature", "Password", "Pwd", "AccessKey",
+                   "SecretKey", "SecretAccessKey", "ApiKey", "ClientSecret", "Token")
+CONNECTION_SECRET = re.compile(
+    r"(?i)((?:^|(?<=[;\s'\"]))(?:{})\s*=\s*)([^;\s'\"]+)".format(
+        "|".join(sorted(CONNECTION_KEYS, key=len, reverse=True)))
+)
+
+# Words that mark a variable as a credential when a segment of its name (split at "_") is made of
+# them: DB_PASS, GITHUB_PAT, GH_AUTH, SSH_PRIVATEKEY, API_CREDENTIAL, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
+# WANDB_API_KEY, MYSQL_PWD; not PATH, KEYBOARD_LAYOUT, TOKENIZERS_PARALLELISM or GIT_AUTHOR_NAME (PAT, KEY,
+# TOKEN and AUTH there are only the start of a longer word).
+SECRET_WORDS = frozenset(
+    {"PASS", "PASSWORD", "PASSWD", "PWD", "PASSPHRASE", "PAT", "AUTH", "PRIVATE", "CREDENTIAL", "CREDENTIALS",
+     "TOKEN", "TOKENS", "SECRET", "SECRETS", "KEY", "KEYS"}
+)  # fmt: skip
+# Words that may stand before a secret word inside one segment (APIKEY, ACCESSKEY, DBPASS, ...).
+SECRET_PREFIX_WORDS = frozenset({"API", "ACCESS", "AUTH", "PRIVATE", "SSH", "DB", "CLIENT", "SESSION", "BEARER",
+                                 "OAUTH", "SIGNING", "ENCRYPTION", "MASTER", "ROOT", "ADMIN", "USER", "APP"})
+_SEGMENT = re.compile(
+    "(?:{0})*(?:{1})(?:{0}|{1})*".format(
+        "|".join(sorted(SECRET_PREFIX_WORDS, key=len, reverse=True)),
+        "|".join(sorted(SECRET_WORDS, key=len, reverse=True)),
+    )
+)
+# Endings that mark a segment as a credential whatever word is glued before them (PGPASSWORD,
+# GITHUBTOKEN, STRIPEAPIKEY). Not the short words: MONKEY, COMPASS, COMPAT and OLDPWD end in them.
+SECRET_ENDINGS = ("PASSWORD", "PASSWORDS", "PASSWD", "PASSPHRASE", "TOKEN", "SECRET", "SECRETS", "CREDENTIAL",
+                  "CREDENTIALS", "APIKEY", "ACCESSKEY", "SECRETKEY", "PRIVATEKEY", "ACCOUNTKEY")
+# A connection string holds its credentials inside (AZURE_STORAGE_CONNECTION_STRING, DB_CONNSTR,
+# SERVICEBUS_CONNECTIONSTRING): the name alone says it carries one.
+CONNECTION_STRING_NAME = re.compile(r"(?:^|_)CONN(?:ECTION)?_?STR(?:ING)?S?(?:_|$)")
+# Names the rules above would take for credentials: the shell's working folder.
+NOT_SECRET = frozenset({"PWD"})
 
 _known: set[str] = set()
 _lock = threading.Lock()
@@ -61,7 +109,44 @@ def scrub(text: object, extra: Iterable[str | None] = ()) -> str:
     for secret in _secrets(extra):
         if secret in out:
             out = out.replace(secret, MASK)
-    return URL_USERINFO.sub(rf"\1{MASK}@", out)
+    out = URL_USERINFO.sub(rf"\1{MASK}@", out)
+    out = URL.sub(_mask_query, out)
+    return CONNECTION_SECRET.sub(rf"\1{MASK}", out)
+
+
+def secret_name(name: str) -> bool:
+    """Whether ``name`` (a variable's, a query parameter's: "-" and "." count as "_") reads as a
+    credential's name (see ``SECRET_WORDS``, ``SECRET_ENDINGS`` and ``CONNECTION_STRING_NAME``)."""
+    upper = re.sub(r"[-.]", "_", name.upper())
+    if upper in NOT_SECRET:
+        return False
+    if CONNECTION_STRING_NAME.search(upper):
+        return True
+    return any(_SEGMENT.fullmatch(part) or part.endswith(SECRET_ENDINGS) for part in upper.split("_") if part)
+
+
+def _secret_param(name: str) -> bool:
+    return secret_name(name) or re.sub(r"[-.]", "_", name.upper()) in QUERY_SECRETS
+
+
+def _mask_query(url: re.Match) -> str:
+    return QUERY_PARAM.sub(lambda m: f"{m[1]}{m[2]}={MASK}" if m[3] and _secret_param(m[2]) else m[0], url[0])
+
+
+def credential_in(value: str) -> str | None:
+    """Why ``value`` holds a credential (for a message: it names no secret), or None: a URL with a
+    user or password, a URL query parameter named as a credential, a connection string's
+    credential key (``AccountKey=``, ``Password=``, ...)."""
+    if has_userinfo(value):
+        return "a URL with a user or password"
+    found = CONNECTION_SECRET.search(value)
+    if found:
+        return f"a connection string with {found[1].split('=')[0].strip()}="
+    for url in URL.finditer(value):
+        names = [m[2] for m in QUERY_PARAM.finditer(url[0]) if m[3] and _secret_param(m[2])]
+        if names:
+            return f"a URL whose query parameter {names[0]} carries a credential"
+    return None
 
 
 def has_userinfo(value: str) -> bool:
@@ -125,4 +210,5 @@ def logger(name: str) -> logging.Logger:
     return log
 
 
-__all__ = ["MASK", "S3_ENV", "LogFilter", "has_userinfo", "logger", "remember", "scrub", "scrub_exception"]
+__all__ = ["MASK", "S3_ENV", "LogFilter", "credential_in", "has_userinfo", "logger", "remember", "scrub",
+           "scrub_exception", "secret_name"]

@@ -26,3 +26,28 @@ def test_the_whole_password_of_a_url_is_masked(text: str, scrubbed: str) -> None
 def test_a_url_without_userinfo_is_left_as_it_is(text: str) -> None:
     assert redact.scrub(text) == text
     assert not redact.has_userinfo(text)
+
+
+@pytest.mark.parametrize(("text", "scrubbed", "why"), [
+    ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=k3y+/AbC==;EndpointSuffix=core.windows.net",
+     "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=***;EndpointSuffix=core.windows.net", "AccountKey="),
+    ("Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=root;SharedAccessKey=abcdef123",
+     "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=root;SharedAccessKey=***", "SharedAccessKey="),
+    ("Server=db;User Id=sa;Password=hunter22;", "Server=db;User Id=sa;Password=***;", "Password="),
+    ("https://acct.blob.core.windows.net/c?sv=2022-11-02&sig=AbC%2Fdef&se=2030",
+     "https://acct.blob.core.windows.net/c?sv=2022-11-02&sig=***&se=2030", "query parameter sig"),
+    ("GET https://b.s3.x/k?X-Amz-Credential=AKIA1%2F2&X-Amz-Signature=0a1b2c failed",
+     "GET https://b.s3.x/k?X-Amz-Credential=***&X-Amz-Signature=*** failed", "query parameter X-Amz-Credential"),
+    ("http://gw:8000/v1?api_key=xyz123", "http://gw:8000/v1?api_key=***", "query parameter api_key"),
+])  # fmt: skip
+def test_credentials_in_connection_strings_and_queries_are_found_and_masked(text: str, scrubbed: str,
+                                                                           why: str) -> None:
+    assert redact.scrub(text) == scrubbed
+    assert why in redact.credential_in(text)
+
+
+@pytest.mark.parametrize("text", ["https://host/v1?page=2&q=a", "max_tokens=16", "AccountName=acct;EndpointSuffix=x",
+                                  "http://127.0.0.1:8000/v1/models"])
+def test_values_without_credentials_are_left_as_they_are(text: str) -> None:
+    assert redact.scrub(text) == text
+    assert redact.credential_in(text) is None

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from posttrain import redact
+from posttrain.redact import secret_name  # the name rule of credentials lives with the masking
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -22,39 +23,6 @@ TOPOLOGY_FLAGS = frozenset(
         "same_network", "multi_gpu",
     }
 )  # fmt: skip
-
-# Words that mark a variable as a credential when a segment of its name (split at "_") is made of
-# them: DB_PASS, GITHUB_PAT, GH_AUTH, SSH_PRIVATEKEY, API_CREDENTIAL, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
-# WANDB_API_KEY, MYSQL_PWD; not PATH, KEYBOARD_LAYOUT, TOKENIZERS_PARALLELISM or GIT_AUTHOR_NAME (PAT, KEY,
-# TOKEN and AUTH there are only the start of a longer word).
-SECRET_WORDS = frozenset(
-    {"PASS", "PASSWORD", "PASSWD", "PWD", "PASSPHRASE", "PAT", "AUTH", "PRIVATE", "CREDENTIAL", "CREDENTIALS",
-     "TOKEN", "TOKENS", "SECRET", "SECRETS", "KEY", "KEYS"}
-)  # fmt: skip
-# Words that may stand before a secret word inside one segment (APIKEY, ACCESSKEY, DBPASS, ...).
-SECRET_PREFIX_WORDS = frozenset({"API", "ACCESS", "AUTH", "PRIVATE", "SSH", "DB", "CLIENT", "SESSION", "BEARER",
-                                 "OAUTH", "SIGNING", "ENCRYPTION", "MASTER", "ROOT", "ADMIN", "USER", "APP"})
-_SEGMENT = re.compile(
-    "(?:{0})*(?:{1})(?:{0}|{1})*".format(
-        "|".join(sorted(SECRET_PREFIX_WORDS, key=len, reverse=True)),
-        "|".join(sorted(SECRET_WORDS, key=len, reverse=True)),
-    )
-)
-# Endings that mark a segment as a credential whatever word is glued before them (PGPASSWORD,
-# GITHUBTOKEN, STRIPEAPIKEY). Not the short words: MONKEY, COMPASS, COMPAT and OLDPWD end in them.
-SECRET_ENDINGS = ("PASSWORD", "PASSWORDS", "PASSWD", "PASSPHRASE", "TOKEN", "SECRET", "SECRETS", "CREDENTIAL",
-                  "CREDENTIALS", "APIKEY", "ACCESSKEY", "SECRETKEY", "PRIVATEKEY")
-# Names the rules above would take for credentials: the shell's working folder.
-NOT_SECRET = frozenset({"PWD"})
-
-
-def secret_name(name: str) -> bool:
-    """Whether ``name`` reads as a credential's name (see ``SECRET_WORDS`` and ``SECRET_ENDINGS``)."""
-    upper = name.upper()
-    if upper in NOT_SECRET:
-        return False
-    return any(_SEGMENT.fullmatch(part) or part.endswith(SECRET_ENDINGS) for part in upper.split("_") if part)
-
 
 def dns_label(value: str, max_len: int = 63) -> str:
     if len(value) > max_len:
@@ -79,13 +47,14 @@ def env_names(env: Mapping[str, str], reserved: Iterable[str] = (), reserved_pre
 
 def no_plain_secrets(env: Mapping[str, str], where: str = "secrets") -> None:
     """Refuse credentials in plain ``env`` (it is written into job files and dry-run output): by
-    name (``secret_name``) or by value (a URL with a user or password). The message never shows
+    name (``redact.secret_name``) or by value (``redact.credential_in``: a URL with a user or
+    password or a credential in its query, a connection string's key). The message never shows
     the value."""
     for name, value in env.items():
         if secret_name(name):
             why = "its name says it is a credential"
-        elif redact.has_userinfo(value):
-            why = "its value is a URL with a user or password"
+        elif (found := redact.credential_in(value)) is not None:
+            why = f"its value is {found}"
         else:
             continue
         raise ValueError(

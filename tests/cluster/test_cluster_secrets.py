@@ -45,11 +45,13 @@ REFUSED = ["DB_PASS", "GITHUB_PAT", "GH_AUTH", "SSH_PRIVATEKEY", "API_CREDENTIAL
            "WANDB_API_KEY", "db_password", "MY_APIKEY", "OAUTH_TOKENS",
            # a secret word glued to another word, or one of the short forms
            "PGPASSWORD", "MYSQL_PWD", "GITHUBTOKEN", "REDISPASSWD", "VAULT_ROOTPWD", "APPSECRET", "STRIPEAPIKEY",
-           "GCP_CREDENTIALS", "pgpassword"]  # fmt: skip
+           "GCP_CREDENTIALS", "pgpassword",
+           # a connection string carries its credential inside
+           "AZURE_STORAGE_CONNECTION_STRING", "DB_CONNSTR", "SERVICEBUS_CONNECTIONSTRING", "AZURE_STORAGE_ACCOUNTKEY"]  # fmt: skip
 ALLOWED = ["PATH_PREFIX", "KEYBOARD_LAYOUT", "TOKENIZERS_PARALLELISM", "GIT_AUTHOR_NAME", "NCCL_DEBUG", "PATCH_LEVEL",
            "PASSTHROUGH_MODE", "MONKEY_PATCH", "HF_HOME", "COMPASS_DIR",
            "PATH", "PYTHONPATH", "HF_HUB_OFFLINE", "PWD", "OLDPWD", "PYTHON_COMPAT", "HOTKEY_MAP", "BYPASS_CACHE",
-           "TOKENIZER_NAME"]  # fmt: skip
+           "TOKENIZER_NAME", "CONNECTION_TIMEOUT", "MAX_CONNECTIONS_STRICT"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", REFUSED)
@@ -129,6 +131,12 @@ def test_dry_run_shows_the_names_never_the_values(tmp_path, capsys, no_contact, 
     ("DATABASE_URL", f"postgresql://app:{PLANTED['DB_PASS']}/x@db/x"),  # a "/" in the password
     ("SERVICE_URL", f"https://u:{PLANTED['DB_PASS']}#x@host/x"),  # a "#"
     ("PGPASSWORD", PLANTED["DB_PASS"]), ("MYSQL_PWD", PLANTED["DB_PASS"]), ("GITHUBTOKEN", PLANTED["GITHUB_PAT"]),
+    # a connection string: named as one, or under an ordinary name with a credential key in its value
+    ("AZURE_STORAGE_CONNECTION_STRING",
+     f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={PLANTED['DB_PASS']};EndpointSuffix=x.net"),
+    ("STORAGE_SETTINGS", f"BlobEndpoint=https://acct.blob.x.net;SharedAccessSignature=sv=1&sig={PLANTED['DB_PASS']}"),
+    ("SQL_SERVER", f"Server=db;User Id=sa;Password={PLANTED['DB_PASS']};"),
+    ("BLOB_URL", f"https://acct.blob.x.net/c?sv=2022-11-02&sig={PLANTED['DB_PASS']}"),  # a SAS URL
 ])  # fmt: skip
 def test_a_credential_in_env_is_refused_without_echoing_it(tmp_path, capsys, no_contact, backend: str, name: str,
                                                            value: str) -> None:
