@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR2):  # Kubernetes eviction, Slurm --signal
         signal.signal(sig, lambda signum, frame: stop.set())
     from posttrain.trainer import distributed
+    from posttrain.trainer.grpo_update import StepError  # imports torch, which the run needs anyway
     from posttrain.trainer.rounds import RoundError
-    from posttrain.trainer.step import StepError  # imports torch, which the run needs anyway
 
     try:
         result = run_training(config, stop_event=stop)

@@ -1,7 +1,7 @@
 """The policy being trained and its optimizer, in memory: what ``mode: step`` (load, one update, save)
 and ``mode: resident`` (load once, then an update and a save per round) share, on top of
-``trainer/step.py``'s pieces (loading, the clipped objective with truncated importance weights,
-the atomic checkpoint). From the same policy and rollouts, both modes write the same checkpoint."""
+``trainer/grpo_update.py``'s pieces (loading, the clipped objective with truncated importance
+weights, the atomic checkpoint). From the same policy and rollouts, both modes write the same checkpoint."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import torch
 from posttrain.lora.adapter import BaseRef
 from posttrain.rollouts.format import Rollout, RolloutError
 from posttrain.rollouts.scoring import group_advantages
-from posttrain.trainer import distributed, timeline
-from posttrain.trainer import step  # its helpers, looked up when called
+from posttrain.trainer import distributed, grpo_update, timeline  # grpo_update.<x> when called: tests replace some
 from posttrain.trainer.config import TrainerConfig
 
 
@@ -35,7 +34,7 @@ class Selection:
 def select_update(rollouts: list[Rollout], sha256: str, source: Path, version: int,
                   config: TrainerConfig) -> Selection:
     """Drop the stale rollouts and score the rest; RolloutError when none is fresh enough."""
-    fresh, dropped = step.select_fresh(rollouts, version, config.max_staleness)
+    fresh, dropped = grpo_update.select_fresh(rollouts, version, config.max_staleness)
     if not fresh:
         raise RolloutError(
             f"{source}: all {len(rollouts)} rollouts are more than max_staleness="
@@ -72,7 +71,7 @@ class PolicyTrainer:
         self.device = distributed.init(config.use_cpu)
         dtype = torch.bfloat16 if config.bf16 else torch.float32
         torch.manual_seed(config.seed)
-        model, self.base_ref = step._load_policy(model_dir, config, dtype)
+        model, self.base_ref = grpo_update.load_policy(model_dir, config, dtype)
         self.model = model.to(self.device)
         self.model.eval()  # no dropout: the ratio must compare the same function before and after the update
         if config.beta > 0 and self.ref_model is None:
@@ -81,8 +80,8 @@ class PolicyTrainer:
             self.ref_model.eval()
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # all of them, or the adapter's
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-        self.optimizer_restored = step._load_optimizer_state(self.optimizer, model_dir, config)
-        self.global_step, self.policy_version = step.policy_position(model_dir)
+        self.optimizer_restored = grpo_update.load_optimizer_state(self.optimizer, model_dir, config)
+        self.global_step, self.policy_version = grpo_update.policy_position(model_dir)
         self.source = self.tokenizer_dir = model_dir
         timeline.current().mark("loaded", step=self.global_step)  # goodput: start-up ends (rank 0's record)
 
@@ -91,19 +90,19 @@ class PolicyTrainer:
         or None when a stop request came first (the policy in memory is then part-updated: not to save)."""
         config, fresh, version = self.config, selection.fresh, selection.version
         if version != self.policy_version:
-            raise step.StepError(f"{selection.source}: selected for policy version {version}, "
-                            f"the policy in memory is version {self.policy_version}")
-        step._check_token_ids(fresh, self.model.get_input_embeddings().num_embeddings, selection.source)
+            raise grpo_update.StepError(f"{selection.source}: selected for policy version {version}, "
+                                        f"the policy in memory is version {self.policy_version}")
+        grpo_update.check_token_ids(fresh, self.model.get_input_embeddings().num_embeddings, selection.source)
         pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         size = config.per_device_train_batch_size
         advantages = selection.advantages
-        batches = [step.collate(fresh[i : i + size], advantages[i : i + size], pad_id)
+        batches = [grpo_update.collate(fresh[i : i + size], advantages[i : i + size], pad_id)
                    for i in range(0, len(fresh), size)]
         ranks = distributed.ranks()
         mine = batches[ranks.rank :: ranks.world_size]  # this rank's share; the totals stay the whole batch's
         with timeline.current().span("step", step=self.global_step + config.num_iterations):
-            metrics = step._train(self.model, self.ref_model, self.optimizer, batches, mine, config, self.stop_event,
-                                  self.device)
+            metrics = grpo_update.train(self.model, self.ref_model, self.optimizer, batches, mine, config,
+                                        self.stop_event, self.device)
         if metrics is None:
             return None
         metrics.update(
@@ -119,9 +118,9 @@ class PolicyTrainer:
         self.policy_version += 1
         return metrics
 
-    def state(self, selection: Selection, metrics: dict[str, float]) -> step.PolicyState:
+    def state(self, selection: Selection, metrics: dict[str, float]) -> grpo_update.PolicyState:
         """The trainer_state.json of the policy in memory, just updated on ``selection``."""
-        return step.PolicyState(
+        return grpo_update.PolicyState(
             global_step=self.global_step,
             policy_version=self.policy_version,
             source_checkpoint=str(self.source),
@@ -133,10 +132,11 @@ class PolicyTrainer:
             created=datetime.now(UTC),
         )
 
-    def save(self, target: Path, state: step.PolicyState) -> None:
+    def save(self, target: Path, state: grpo_update.PolicyState) -> None:
         """Write the policy in memory as the checkpoint ``target``, atomically (rank 0 only; the
         caller waits for it on every rank with ``distributed.barrier``)."""
         if distributed.ranks().is_main:
             with timeline.current().span("save", step=state.global_step):
-                step._save_atomically(self.model, self.optimizer, self.tokenizer_dir, target, state, self.base_ref)
+                grpo_update.save_atomically(self.model, self.optimizer, self.tokenizer_dir, target, state,
+                                            self.base_ref)
         self.source = target

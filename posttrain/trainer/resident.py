@@ -36,7 +36,7 @@ from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, CheckpointInfo, co
 from posttrain.trainer.config import TrainerConfig, TrainingResult
 from posttrain.trainer.rounds import RoundError, RoundReady, handed_rollouts, read_ready, round_dir
 from posttrain.trainer.policy import PolicyTrainer, select_update
-from posttrain.trainer.step import OPTIMIZER_FILE, PolicyState, StepError, policy_position
+from posttrain.trainer.grpo_update import OPTIMIZER_FILE, PolicyState, StepError, policy_position
 from posttrain.trainer.tracking import log_update
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,8 @@ from posttrain.datasets.toy import toy_prompt_rows
 from posttrain.rewards import length_reward
 from posttrain.rollouts.format import RolloutError, write_rollouts
 from posttrain.testing.sampler import sample_rollouts
-from posttrain.trainer import TrainerConfig, run_training
+from posttrain.trainer import TrainerConfig, grpo_update, run_training
 from posttrain.trainer import resident as resident_mode
-from posttrain.trainer import step as step_mode
 from posttrain.trainer.checkpoints import complete_checkpoints, try_inspect
 from posttrain.trainer.rounds import READY_FILE, ROLLOUTS_FILE, RoundError, hand_round, read_ready, round_dir
 from tests.trainer.test_trainer_step import _config as step_config
@@ -45,13 +44,13 @@ def fast_polls(monkeypatch):
 def loads(monkeypatch):
     """The folders the trainer loaded a policy from, in order."""
     seen: list[Path] = []
-    original = step_mode._load_policy
+    original = grpo_update.load_policy
 
     def counting(model_dir, config, dtype):
         seen.append(Path(model_dir))
         return original(model_dir, config, dtype)
 
-    monkeypatch.setattr(step_mode, "_load_policy", counting)
+    monkeypatch.setattr(grpo_update, "load_policy", counting)
     return seen
 
 
@@ -150,7 +149,7 @@ def test_a_restart_resumes_after_the_last_written_round(tiny_model_dir, sampled,
     # A stop request during round 1's update (SIGTERM of a requeue): round 0 is written, round 1 is not.
     stop = threading.Event()
     calls = []
-    original = step_mode._train
+    original = grpo_update.train
 
     def stopping(*args, **kwargs):
         calls.append(1)
@@ -158,13 +157,13 @@ def test_a_restart_resumes_after_the_last_written_round(tiny_model_dir, sampled,
             stop.set()
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(step_mode, "_train", stopping)
+    monkeypatch.setattr(grpo_update, "train", stopping)
     first = run_training(config, stop_event=stop)
     assert (first.completed, first.stopped_early, first.rounds_done) == (False, True, 1)
     assert (first.checkpoint, first.global_step, first.policy_version) == (out / "checkpoint-1", 1, 1)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1"]  # no partial checkpoint, no staging folder
     written = (out / "checkpoint-1" / "model.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(step_mode, "_train", original)
+    monkeypatch.setattr(grpo_update, "train", original)
 
     hand(rounds_dir, 2, round_rollouts(sampled, 2))
     second = run_training(config)  # the restarted job
