@@ -149,6 +149,15 @@ def credential_in(value: str) -> str | None:
     return None
 
 
+def no_credentials(value: str | None, instead: str) -> str | None:
+    """``value`` (a URL field of a block or setting, stored and shown in clear), or a ``ValueError``
+    saying what credential it holds and ``instead`` (where the credential goes), never the value."""
+    if value is not None and (found := credential_in(value)) is not None:
+        raise ValueError(f"holds {found}; this field is stored and shown in clear, so it takes no credential: "
+                         f"{instead}")
+    return value
+
+
 def has_userinfo(value: str) -> bool:
     """Whether ``value`` holds a URL with a user (and maybe a password) before its host."""
     return URL_USERINFO.search(value) is not None
@@ -210,5 +219,5 @@ def logger(name: str) -> logging.Logger:
     return log
 
 
-__all__ = ["MASK", "S3_ENV", "LogFilter", "credential_in", "has_userinfo", "logger", "remember", "scrub",
-           "scrub_exception", "secret_name"]
+__all__ = ["MASK", "S3_ENV", "LogFilter", "credential_in", "has_userinfo", "logger", "no_credentials", "remember",
+           "scrub", "scrub_exception", "secret_name"]

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from posttrain import redact
 from posttrain.cluster import checks
 from posttrain.cluster.launch import Launcher
 
@@ -292,7 +293,8 @@ class Toleration(BaseModel):
 class ObjectStorage(BaseModel):
     """CoreWeave AI Object Storage through workload identity: no stored keys."""
 
-    model_config = ConfigDict(extra="forbid")
+    # hide_input_in_errors: an error about a URL must not echo it (it may hold a credential)
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     org_id: str = Field(description="CoreWeave organization id (for the temporary-credentials endpoint).")
     region: str = Field(description="Object storage region, exported as AWS_REGION.")
@@ -306,6 +308,11 @@ class ObjectStorage(BaseModel):
         default="https://api.coreweave.com/v1/cwobject/temporary-credentials/oidc",
         description="Temporary-credentials endpoint; the org id is appended.",
     )
+
+    @field_validator("endpoint", "audience", "credentials_url")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        return redact.no_credentials(v, "the pods get their credentials through workload identity")
 
     @field_validator("org_id", "region")
     @classmethod

@@ -87,6 +87,42 @@ def test_a_bad_block_is_one_line_naming_the_block_and_field(tmp_path, change, me
     assert "literal" not in text  # a secret given in the file is never echoed
 
 
+PLANTED = "pl4nted-cred-7f3a"
+_GATEWAY = {"api_url": "http://g:8000", "gateway_url": "http://g:8000", "deployment_id": "d", "model": "m",
+            "token": {"env": "POSTTRAIN_GATEWAY_TOKEN"}}
+_CKS = {"namespace": "tenant", "image": "registry.example.com/posttrain:1", "pvc": "shared"}
+
+
+@pytest.mark.parametrize(("ref", "field", "fields"), [
+    *[("posttrain-inference-deployment/prod", f, {**_GATEWAY, f: url}) for f in ("api_url", "gateway_url")
+      for url in (f"https://ops:{PLANTED}@gw.example.com", f"https://gw.example.com/?api_key={PLANTED}")],
+    ("posttrain-object-store/default", "endpoint_url", {"uri": "s3://b/p", "endpoint_url": f"https://AKIA:{PLANTED}@s3.x"}),
+    ("posttrain-object-store/default", "uri", {"uri": f"s3://AKIA:{PLANTED}@bucket/p"}),
+    ("posttrain-object-store/default", "endpoint_url",
+     {"uri": "s3://b/p", "endpoint_url": f"https://acct.blob.x.net/?sv=2022-11-02&sig={PLANTED}"}),
+    ("posttrain-kubernetes-cluster/cks", "settings.object_storage.credentials_url",
+     {"settings": {**_CKS, "object_storage": {"org_id": "o1", "region": "US-EAST-04A",
+                                              "credentials_url": f"https://u:{PLANTED}@api.example.com/c"}}}),
+])  # fmt: skip
+def test_a_credential_in_any_url_field_of_a_block_is_refused_without_echoing_it(tmp_path, ref, field, fields):
+    """A block's fields are stored in clear on the server and read back by anyone who can read
+    blocks: a URL with a user, a password or a signed query is refused like the cluster env refuses it."""
+    path = _write(tmp_path, {ref: fields})
+    with pytest.raises(BlocksFileError) as info:
+        load_blocks_file(path, SECRETS)
+    text = str(info.value)
+    assert text.startswith(f"{path}: {ref}: {field}: holds a ") and "credential" in text and "\n" not in text
+    assert PLANTED not in text
+
+
+def test_a_block_built_in_python_refuses_a_url_credential_without_echoing_it():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError) as info:
+        InferenceDeployment(**{**_GATEWAY, "token": "t", "gateway_url": f"https://ops:{PLANTED}@gw.example.com"})
+    assert "gateway_url" in str(info.value) and PLANTED not in str(info.value)
+
+
 def test_check_prints_where_each_secret_comes_from_never_its_value(tmp_path):
     env = {**os.environ, **SECRETS, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # --check contacts no server
     run = subprocess.run([sys.executable, "-m", "posttrain", "blocks", "save", "--from", str(EXAMPLE), "--check"],

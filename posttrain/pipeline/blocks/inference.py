@@ -21,7 +21,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr
+from pydantic import ConfigDict, Field, SecretStr, field_validator
+
+from posttrain import redact
 
 
 class InferenceDeployment(Block):
@@ -66,6 +68,14 @@ InferenceDeployment(api_url="http://gateway-host:8000", gateway_url="http://gate
     poll_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of a hot-load.")
     fallback_to_full: bool = Field(True, description="Publish and load a full snapshot when a delta fails to load.")
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one completions request may take.")
+
+    # an error about a URL must not echo it: it may hold a credential
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    @field_validator("api_url", "gateway_url")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        return redact.no_credentials(value, "give it as token: {env: NAME} (the bearer token every call sends)")
 
     def hot_loader(self, publish_full=None):
         from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig

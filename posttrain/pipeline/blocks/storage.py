@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr
+from pydantic import ConfigDict, Field, SecretStr, field_validator
+
+from posttrain import redact
 
 
 class ObjectStore(Block):
@@ -36,6 +38,15 @@ ObjectStore(uri="s3://checkpoints/training/run-001", endpoint_url="https://cwobj
     request_checksum_calculation: Literal["when_required", "when_supported"] = Field(
         "when_required", description="boto3 request checksums; some S3-compatible stores need when_required."
     )
+
+    # an error about a URL must not echo it: it may hold a credential
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    @field_validator("uri", "endpoint_url")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        return redact.no_credentials(value, "give the keys as access_key_id and secret_access_key ({env: NAME}), "
+                                     "or a profile")
 
     def open(self):
         """A ``posttrain.storage.Store`` for this bucket and prefix."""
