@@ -102,10 +102,12 @@ def _config(args: argparse.Namespace, deployment: str):  # noqa: ANN202 - a HotL
     from posttrain.cli import UsageError
     from posttrain.errors import describe_validation_error
     from posttrain.inference.config import HotLoadConfig
+    from posttrain.polling import MIN_POLL_S
 
-    for option, value in (("--timeout", args.timeout), ("--poll-interval", args.poll_interval)):
-        if not value > 0:
-            raise UsageError(f"{option} {value:g}: must be above 0 seconds")
+    if not args.timeout > 0:  # NaN fails too
+        raise UsageError(f"--timeout {args.timeout:g}: must be above 0 seconds")
+    if not MIN_POLL_S <= args.poll_interval < float("inf"):
+        raise UsageError(f"--poll-interval {args.poll_interval:g}: must be at least {MIN_POLL_S} seconds (and finite)")
     token = _token(args)
     try:
         return HotLoadConfig(api_url=args.api_url, deployment_id=deployment, token=token, timeout=args.timeout,

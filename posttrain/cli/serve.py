@@ -141,9 +141,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             test_hooks=args.test_hooks, faults=faults,
         )
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                             for err in e.errors(include_url=False, include_input=False))
-        raise UsageError(problems) from None
+        from posttrain.errors import validation_problems
+
+        raise UsageError("; ".join(validation_problems(e))) from None
     from posttrain.serve.server import InferenceServer
 
     try:
@@ -162,8 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"posttrain serve: resumed {server.service.resumed}, the version served before the restart "
               f"(recorded in {server.work_dir})", flush=True)
     else:
-        print(f"posttrain serve: booted clean on {config.model_dir} (no earlier version recorded in the work dir)",
-              flush=True)
+        # why, as the log says it: no record, or a record that failed its checks or its load
+        print(f"posttrain serve: booted clean on {config.model_dir} ({server.service.clean_boot})", flush=True)
     try:
         stop.wait()
     finally:

@@ -119,10 +119,11 @@ def _watch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from posttrain.cli import UsageError
+    from posttrain.polling import MIN_POLL_S
     from posttrain.runs.watch import watch_checkpoints
 
-    if args.poll <= 0:
-        raise UsageError("--poll must be a positive number of seconds")
+    if not MIN_POLL_S <= args.poll < float("inf"):  # NaN fails too
+        raise UsageError(f"--poll {args.poll:g}: must be at least {MIN_POLL_S} seconds (and finite)")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"{output_dir} is not a folder")

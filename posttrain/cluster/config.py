@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from posttrain import redact
 from posttrain.cluster import checks
 from posttrain.cluster.launch import Launcher
+from posttrain.polling import MIN_POLL_S
 
 # Set by posttrain or by the launcher on every backend.
 RESERVED_ENV = frozenset(
@@ -114,7 +115,8 @@ class _LaunchSettings(BaseModel):
     time_limit: str | None = Field(
         default="24:00:00", description="Wall-clock limit: MM, HH:MM:SS or D-HH:MM:SS."
     )
-    poll_interval_s: float = Field(default=10.0, gt=0, description="Seconds between state checks of a job.")
+    poll_interval_s: float = Field(default=10.0, ge=MIN_POLL_S, allow_inf_nan=False,
+                                   description="Seconds between state checks of a job (at least 0.05).")
     dry_run: bool = Field(default=False, description="Show everything that would be submitted, submit nothing.")
 
     @field_validator("launcher_args")
@@ -494,7 +496,8 @@ class LocalConfig(_LaunchSettings):
     max_requeues: int = Field(default=3, ge=0, description="Restarts after timeout (submitit max_num_timeout).")
     signal_delay_s: int = Field(default=30, ge=1, description="Seconds before the time limit at which the job is "
                                 "told to checkpoint.")
-    poll_interval_s: float = Field(default=1.0, gt=0, description="Seconds between state checks of a job.")
+    poll_interval_s: float = Field(default=1.0, ge=MIN_POLL_S, allow_inf_nan=False,
+                                   description="Seconds between state checks of a job (at least 0.05).")
 
     @field_validator("env")
     @classmethod

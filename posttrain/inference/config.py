@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from posttrain.inference.protocol import CACHE_RESET_ALL, MAX_PAGE_SIZE
+from posttrain.polling import MIN_POLL_S
 
 
 class HotLoadConfig(BaseModel):
@@ -29,7 +30,8 @@ class HotLoadConfig(BaseModel):
         description="Seconds one hot-load may take from the call to replica convergence, waiting for an "
         "unfinished earlier hot-load of the deployment included (a fallback gets its own).",
     )
-    poll_interval: float = Field(2.0, gt=0, description="Seconds between polls of an operation and its replicas.")
+    poll_interval: float = Field(2.0, ge=MIN_POLL_S, allow_inf_nan=False,
+                                 description="Seconds between polls of an operation and its replicas (at least 0.05).")
     request_timeout: float = Field(30.0, gt=0, description="Seconds one HTTP call may take.")
     max_attempts: int = Field(
         6, ge=1, description="Tries of one HTTP call (creates included) on connection errors, timeouts, 429 and 5xx."

@@ -17,6 +17,7 @@ from posttrain.chain.format import MAX_CHAIN_DELTAS, Flavor, check_identity
 from posttrain.pipeline.blocks import InferenceDeployment, KubernetesCluster, LocalCluster, ObjectStore, SlurmCluster
 from posttrain.pipeline.promotion_settings import PromotionSettings
 from posttrain.pipeline.refs import ABSOLUTE, BLOCK_REF, block_ref, whole_value
+from posttrain.polling import MIN_POLL_S
 from posttrain.rollouts.shard import RolloutSettings
 from posttrain.trainer.config import MODES, LoraSettings, TrainerConfig
 
@@ -237,7 +238,8 @@ class NightlySettings(RunSettings):
     """The nightly post-training run: stage, train, publish and hot-load every checkpoint."""
 
     trainer: GrpoTrainerSettings = Field(description="TRL GRPO settings.")
-    watch_poll_s: float = Field(2.0, gt=0, description="Seconds between looks for new checkpoints.")
+    watch_poll_s: float = Field(2.0, ge=MIN_POLL_S, allow_inf_nan=False,
+                                description="Seconds between looks for new checkpoints (at least 0.05).")
     promote_to: str | None = Field(
         None, pattern=BLOCK_REF, json_schema_extra=whole_value,
         description="Production inference deployment block (`block-type-slug/block-name`) to promote the run's "
@@ -299,8 +301,8 @@ class GrpoSettings(RunSettings):
     round_timeout_s: float = Field(
         1800.0, gt=0, description="resident: seconds the trainer waits for a round's rollouts before its job ends "
         "(a flow run that failed has this long to be retried and find its job waiting).")
-    watch_poll_s: float = Field(2.0, gt=0, description="resident: seconds between looks for the trainer's "
-                                "checkpoints.")
+    watch_poll_s: float = Field(2.0, ge=MIN_POLL_S, allow_inf_nan=False, description="resident: seconds between "
+                                "looks for the trainer's checkpoints (at least 0.05).")
 
     @field_validator("trainer")
     @classmethod

@@ -191,13 +191,14 @@ class HotLoadService:
                 op.state, op.finished_at = STATE_FAILED, op.finished_at or time.time()
         self._ops = {op.id: op for op in state.operations}
         self._seq = max((op.seq for op in state.operations), default=0)
-        resumed = None
+        resumed, why = None, "was not resumed"
         self._unresumed: tuple[str, str] | None = None  # a recorded version kept for the next start
         if state.identity is not None and state.folder is not None:
             folder = models / state.folder
             try:
                 verify_held(folder)
             except (OSError, ChainError) as e:  # damaged or gone: it can never be served again
+                why = "failed its checks and was removed"
                 log.warning("could not resume %s: its rebuilt folder %s fails its checks (%s); removing it",
                             state.identity, folder, e)
             else:
@@ -206,13 +207,13 @@ class HotLoadService:
                     resumed = state.identity
                     log.info("resumed: serving %s from %s, as before the restart", state.identity, folder)
                 except Exception as e:  # noqa: BLE001 - kept, with its record, for the next start
-                    self._unresumed = (state.identity, state.folder)
+                    self._unresumed, why = (state.identity, state.folder), "failed to load; kept for the next start"
                     log.warning("could not resume %s from %s (%s: %s); keeping it and its record for the next "
                                 "start", state.identity, folder, type(e).__name__, e)
-        if resumed is None:
-            log.info("booted clean: serving the boot weights %s (%s)", self.boot_dir or "",
-                     f"{state.identity} is recorded but was not resumed" if state.identity else
-                     f"no earlier version recorded in {self.work_dir}")
+        recorded = f"{state.identity} is recorded in {self.work_dir} but {why}" if state.identity else None
+        self.clean_boot = None if resumed else recorded or f"no earlier version recorded in {self.work_dir}"
+        if self.clean_boot:  # booted clean, and why: in the log and in serve's start message
+            log.info("booted clean: serving the boot weights %s (%s)", self.boot_dir or "", self.clean_boot)
         current = self.engine.current()
         held = {p.resolve() for p in (current.path, current.base) if p is not None}
         if self._unresumed is not None:

@@ -115,8 +115,9 @@ class InferenceServer:
             self.work_dir.mkdir(parents=True, exist_ok=True)
             # one server per work dir: a second would delete the folders the first serves
             self._work_lock = WorkDirLock(self.work_dir, owner="posttrain serve")
-        except OSError as e:
-            raise ServeStartError(f"work_dir (--work-dir) {self.work_dir}: {e.strerror or e}") from None
+        except OSError as e:  # of a file there, mkdir says only "File exists"
+            why = "is a file, not a folder" if self.work_dir.is_file() else e.strerror or e
+            raise ServeStartError(f"work_dir (--work-dir) {self.work_dir}: {why}") from None
         except WorkDirBusy as e:
             raise ServeStartError(f"work_dir (--work-dir): {e}") from None
         self.engine = engine or open_engine(config)

@@ -133,3 +133,25 @@ def test_chain_apply_from_a_store_takes_the_s3_options_of_the_other_store_comman
         'EndpointConnectionError: Could not connect to the endpoint URL: "http://127.0.0.1:1/bucket/p/v1/'
         'model.safetensors.index.json"']
     assert "planted" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0", "nan", "inf"])
+def test_a_busy_poll_of_watch_is_named(tmp_path, value):
+    """1e-300 passed ``> 0`` and the watch then scanned the folder without pause."""
+    proc = posttrain("watch", str(tmp_path), "--poll", value, "--cursor", str(tmp_path / "cursor.json"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    want = f"posttrain: error: --poll {float(value):g}: must be at least 0.05 seconds (and finite)"
+    assert proc.stderr.strip() == want
+
+
+@pytest.mark.parametrize("value", [1e-300, float("nan"), float("inf")])
+def test_a_busy_poll_of_rollback_is_named(value):
+    """--poll-interval 1e-300 passed the CLI's ``> 0`` check, then the hot-load config refused it as --api-url's."""
+    import argparse
+
+    from posttrain.cli import UsageError
+    from posttrain.cli.rollback import _config
+
+    args = argparse.Namespace(timeout=60.0, poll_interval=value, api_url="http://127.0.0.1:1")
+    with pytest.raises(UsageError, match=r"^--poll-interval .*: must be at least 0.05 seconds"):
+        _config(args, "prod")

@@ -241,3 +241,14 @@ def test_every_field_is_described() -> None:
         for name, field in cls.model_fields.items():
             assert field.description, f"{cls.__name__}.{name} has no description"
         assert cls.model_config.get("extra") == "forbid"
+
+
+@pytest.mark.parametrize("value", [1e-300, 0.01, 0, float("nan"), float("inf")])
+@pytest.mark.parametrize(("config", "given"), [(SlurmConfig, SLURM_OK), (KubernetesConfig, K8S_OK), (LocalConfig, {})],
+                         ids=["slurm", "kubernetes", "local"])
+def test_a_busy_poll_interval_is_refused(config, given, value) -> None:
+    """1e-300 passed ``> 0``, and following the job then checked its state without pause."""
+    with pytest.raises(ValidationError) as info:
+        config(**given, poll_interval_s=value)
+    assert describe_validation_error(info.value).startswith("poll_interval_s: ")
+    assert config(**given, poll_interval_s=0.05).poll_interval_s == 0.05

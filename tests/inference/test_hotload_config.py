@@ -83,3 +83,18 @@ def test_read_token(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="T_ENV") as info:
         read_token(env="T_ENV")
     assert TOKEN not in str(info.value)
+
+
+@pytest.mark.parametrize("value", [1e-300, 0, float("nan"), float("inf")])
+def test_a_busy_poll_of_a_hot_load_is_refused(value):
+    """1e-300 passed ``> 0``; the client then polled the hot-load without pause. The block's
+    poll_interval_s and posttrain serve's probe interval have the same floor."""
+    from posttrain.pipeline.blocks import InferenceDeployment
+
+    with pytest.raises(ValidationError, match="poll_interval"):
+        HotLoadConfig(deployment_id="d", token=TOKEN, poll_interval=value)
+    with pytest.raises(ValidationError, match="poll_interval_s"):
+        InferenceDeployment(gateway_url="http://127.0.0.1:1", deployment_id="d", model="m", token=TOKEN,
+                            poll_interval_s=value)
+    with pytest.raises(ValidationError, match="probe_interval_s"):
+        ServeConfig(model_dir="/m", deployment_id="d", store="/s", token=TOKEN, probe_interval_s=value)

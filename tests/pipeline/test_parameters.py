@@ -213,3 +213,23 @@ def test_descriptions_render_as_markdown_without_html():
     for flow in (nightly_post_training, grpo):
         described = {k: p["description"] for k, p in schema(flow)["properties"].items()}
         assert not {k: d for k, d in described.items() if re.search(r"<[A-Za-z/!?]", d)}
+
+
+@pytest.mark.parametrize("value", [1e-300, 0.01, 0, float("nan"), float("inf")])
+@pytest.mark.parametrize(("model", "given"), [(NightlySettings, NIGHTLY), (GrpoSettings, BASE)],
+                         ids=["nightly", "grpo"])
+def test_a_busy_poll_is_refused_naming_watch_poll_s(model, given, value):
+    """1e-300 passed ``> 0`` and the checkpoint watch then polled without pause (a busy loop)."""
+    with pytest.raises(ParameterError, match=r"^watch_poll_s: ") as e:
+        from_parameters(model, {**given, "watch_poll_s": value})
+    assert "\n" not in str(e.value)
+    assert from_parameters(model, {**given, "watch_poll_s": 0.05}).watch_poll_s == 0.05
+
+
+def test_the_schema_refuses_a_busy_poll():
+    from posttrain.pipeline.flows.nightly import nightly_post_training
+
+    s = schema(nightly_post_training)
+    with pytest.raises(jsonschema.ValidationError) as e:
+        jsonschema.validate({**NIGHTLY, "watch_poll_s": 1e-300}, s)
+    assert e.value.validator == "minimum"

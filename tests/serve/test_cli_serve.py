@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -181,3 +182,45 @@ def test_serve_sets_openmp_before_anything_loads_torch():
               "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_a_file_given_as_the_work_dir_is_named(capsys, monkeypatch, chain, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    err = _serve_error(capsys, monkeypatch, chain, tmp_path, "--work-dir", str(tmp_path / "a-file"))
+    assert err == f"posttrain: error: work_dir (--work-dir) {tmp_path / 'a-file'}: is a file, not a folder"
+
+
+def _start_message(chain, work: Path) -> str:
+    """The line ``posttrain serve`` prints when it is up (booted clean or resumed), then stops it."""
+    env = {**os.environ, "SERVE_TEST_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "--model", str(chain.models[0]), "--port",
+                             "0", "--deployment-id", DEPLOYMENT, "--store", str(chain.store), "--prefix", PREFIX,
+                             "--token-env", "SERVE_TEST_TOKEN", "--work-dir", str(work), "--device", "cpu"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # ends when the process does (a failed start)
+            if line.startswith(("posttrain serve: booted clean", "posttrain serve: resumed")):
+                return line.strip()
+        raise AssertionError(proc.stderr.read())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_a_recorded_version_that_fails_its_checks_is_named_on_stdout(chain, tmp_path, make_client):
+    """The log said the recorded version was refused while stdout said none was recorded."""
+    from tests.support.serving import start_server
+
+    work = tmp_path / "work"
+    server = start_server(chain, work)
+    try:
+        make_client(server).hot_load(chain.full)
+    finally:
+        server.shutdown()
+    (rebuilt,) = (work / "models").iterdir()
+    shutil.rmtree(rebuilt)  # gone: the record names a folder that fails its checks
+    line = _start_message(chain, work)
+    assert line == (f"posttrain serve: booted clean on {chain.models[0]} ({chain.full} is recorded in {work} "
+                    "but failed its checks and was removed)"), line
+    line = _start_message(chain, work)  # nothing recorded now
+    assert line == f"posttrain serve: booted clean on {chain.models[0]} (no earlier version recorded in {work})", line

@@ -24,6 +24,7 @@ from prefect.blocks.core import Block
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from posttrain import redact
+from posttrain.polling import MIN_POLL_S
 
 
 class InferenceDeployment(Block):
@@ -65,7 +66,8 @@ InferenceDeployment(api_url="http://gateway-host:8000", gateway_url="http://gate
     model: str = Field(description="Model name the deployment serves.")
     token: SecretStr = Field(description="Inference Admin token (CW_API_TOKEN), or a posttrain serve gateway's bearer token; never logged.")
     timeout_s: float = Field(1800.0, gt=0, description="Seconds one hot-load may take until replicas converge.")
-    poll_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of a hot-load.")
+    poll_interval_s: float = Field(2.0, ge=MIN_POLL_S, allow_inf_nan=False,
+                                   description="Seconds between polls of a hot-load (at least 0.05).")
     fallback_to_full: bool = Field(True, description="Publish and load a full snapshot when a delta fails to load.")
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one completions request may take.")
 
