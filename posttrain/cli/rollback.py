@@ -6,8 +6,11 @@ production is touched: the deployment name, the identity's form, the token, ``--
 the store, the target (in the store; an earlier champion for ``previous``; not the champion
 already), and that the hot-load API answers and accepts the token. Each failure is one line on
 stderr naming the option, exit status 2, with nothing hot-loaded or recorded. ``--dry-run`` stops
-after these checks and prints what would be hot-loaded and recorded. A hot-load that fails is one
-line, exit status 1, and nothing is recorded.
+after these checks and prints what would be hot-loaded and recorded. The rollback then holds the
+deployment's lease, checks the champion again (another promotion or rollback holding it, or one
+that changed the champion since the checks: one line, exit status 1, nothing changed), records
+the rollback and hot-loads the target. A hot-load that fails is followed by a ``reverted`` record
+and production is made to serve the champion again: one line saying so, exit status 1.
 """
 
 from __future__ import annotations
@@ -184,10 +187,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     from posttrain.cli import UsageError
     from posttrain.chain.errors import FormatError
     from posttrain.chain.format import check_identity
-    from posttrain.inference.contract import HotLoadError, HotLoadTimeout
+    from posttrain.inference.contract import HotLoadError
     from posttrain.inference.hotload import CoreWeaveHotLoader
     from posttrain.promote.history import HistoryError
-    from posttrain.promote.promoter import PREVIOUS, Deployment, PromotionError, rollback
+    from posttrain.promote.promoter import PREVIOUS, Deployment, OperationLost, PromotionError, SwitchFailed, rollback
 
     t0 = time.monotonic()
     handler = logging.StreamHandler(sys.stderr)  # the hot-load client's warnings (retries, a fallback): one line each
@@ -223,22 +226,19 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         try:
             with CoreWeaveHotLoader(config) as loader:
                 done = rollback(store=store, production=Deployment(deployment, loader), to=args.to, run=None,
-                                reason=args.reason)
+                                reason=args.reason, seen_champion=champion)
         except PromotionError as e:  # the history changed since the checks above
             raise UsageError(str(e) if str(e).startswith("--to") else f"--to {args.to}: {e}") from None
-        except HotLoadTimeout as e:
-            print(redact.scrub(f"posttrain: error: rollback of {deployment} to {target}: {e}; nothing was recorded "
-                               "(the hot-load may still finish: run the same command again to wait for it and "
-                               "record it)"), file=sys.stderr)
+        except (OperationLost, SwitchFailed) as e:  # another operation won; or the hot-load failed, and was reverted
+            print(redact.scrub(f"posttrain: error: rollback of {deployment} to {target}: {e}"), file=sys.stderr)
             return 1
-        except HotLoadError as e:
-            print(redact.scrub(f"posttrain: error: rollback of {deployment} to {target}: {str(e).splitlines()[0]}; "
-                               f"nothing was recorded (the history's champion is still {champion or 'none'})"),
+        except HotLoadError as e:  # a retry's hot-load of the champion
+            print(redact.scrub(f"posttrain: error: rollback of {deployment} to {target}: {str(e).splitlines()[0]}"),
                   file=sys.stderr)
             return 1
         except HistoryError as e:
-            print(redact.scrub(f"posttrain: error: {deployment} serves {target} now, but the rollback could not be "
-                               f"recorded: {e}"), file=sys.stderr)
+            print(redact.scrub(f"posttrain: error: the rollback of {deployment} to {target} could not be recorded: "
+                               f"{' '.join(str(e).split())}; nothing was hot-loaded"), file=sys.stderr)
             return 1
     record = done.record
     print(f"{deployment} serves {record.identity} now (previous champion: {record.previous or 'none'}); "

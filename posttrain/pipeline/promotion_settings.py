@@ -145,3 +145,10 @@ class RollbackSettings(BaseModel):
     reason: str | None = Field(None, description="Why, recorded in the history (one line).")
 
     _blocks = field_validator("production", "store", mode="before")(lambda cls, v: block_ref(v))
+
+    @field_validator("reason")
+    @classmethod
+    def _reason(cls, v: str | None) -> str | None:  # checked with the others, before production is touched
+        if v is not None and not v.split():
+            raise ValueError("is empty: give one line saying why, or leave it out for the default")
+        return None if v is None else " ".join(v.split())

@@ -12,7 +12,9 @@ replaced meanwhile raises ``HistoryConflict`` instead of landing.
 
 The champion is the identity of the last promotion or rollback. Champions form a stack: a
 promotion pushes its identity; a rollback to an identity on the stack pops back to it (to one
-that is not, pushes it). ``previous_champion`` is the entry under the top, so rolling back to
+that is not, pushes it). A record is written before production is switched; when the switch
+then fails, a ``reverted`` record names it (``reverts``: its number): the reverted record
+counts for nothing, so the champion is again the one before it. ``previous_champion`` is the entry under the top, so rolling back to
 the previous champion again and again walks back through earlier promotions and never returns
 to the one just rolled back from.
 """
@@ -39,7 +41,7 @@ RECORD_NAME_RE = re.compile(r"(\d{8})\.json")
 # Each lost race means another writer's record landed, so this many writers at once still get through.
 MAX_ATTEMPTS = 64
 
-Kind = Literal["promotion", "refusal", "rollback"]
+Kind = Literal["promotion", "refusal", "rollback", "reverted"]
 
 
 class HistoryError(Exception):
@@ -66,7 +68,8 @@ class Record(BaseModel):
     format: Literal["posttrain.promotion/1"] = Field(FORMAT, description="Format of the record.")
     seq: int | None = Field(None, ge=1, description="Position in the history; History.append sets it.")
     kind: Kind = Field(description="promotion: identity now serves; refusal: the gate kept the champion; "
-                       "rollback: identity serves again.")
+                       "rollback: identity serves again; reverted: the switch to identity that record `reverts` "
+                       "announced failed, and that record counts for nothing.")
     deployment: str = Field(description="The production deployment's name.")
     identity: str = Field(description="The snapshot the record is about: promoted, refused or rolled back to.")
     previous: str | None = Field(None, description="The champion before this record; None when there was none.")
@@ -74,6 +77,7 @@ class Record(BaseModel):
     at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc), description="When, in UTC.")
     decision: Decision | None = Field(None, description="The gate's decision (promotion and refusal).")
     reason: str = Field(description="One line: why.")
+    reverts: int | None = Field(None, ge=1, description="reverted: the number of the record whose switch failed.")
 
     @field_validator("deployment")
     @classmethod
@@ -108,6 +112,12 @@ class Record(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> Record:
         d = self.decision
+        if (self.kind == "reverted") != (self.reverts is not None):
+            raise ValueError("reverts: a reverted record names the record it reverts, and only it does")
+        if self.kind == "reverted":
+            if d is not None:
+                raise ValueError("a reverted record carries no gate decision")
+            return self
         if self.kind == "rollback":
             if d is not None:
                 raise ValueError("a rollback carries no gate decision")
@@ -204,10 +214,16 @@ class History:
         return record
 
 
+def effective(records: list[Record]) -> list[Record]:
+    """The records that count: without the reverted ones and the ``reverted`` records themselves."""
+    void = {r.reverts for r in records if r.kind == "reverted"}
+    return [r for r in records if r.kind != "reverted" and r.seq not in void]
+
+
 def champions(records: list[Record]) -> list[str]:
     """The champion stack the records leave, oldest at the bottom (see the module docstring)."""
     stack: list[str] = []
-    for r in records:
+    for r in effective(records):
         if r.kind == "promotion":
             stack.append(r.identity)
         elif r.kind == "rollback":

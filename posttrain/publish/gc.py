@@ -24,6 +24,13 @@ keeps some keeps its step claims and ``latest.json`` (a publisher of it still re
 gc holds each run's exclusive lease (``lease.GcLease``) while it deletes that run's snapshots
 and re-reads the run's ledger under it: a run being published (a live publisher lease), or one
 that published since the plan was made, is skipped and left for the next gc.
+
+Under the same lease, before any delete of the run, gc looks at the production deployments'
+leases (``posttrain.promote.lease``) and skips the run while a promotion or rollback holds one,
+then reads every promotion history again and keeps whatever a record written since the plan
+names. A promotion or rollback writes its deployment lease, then waits while any run's gc lease
+is live, and only then records: each side writes before it reads the other's, so gc never
+deletes a snapshot (nor its chain prefix) that a record written before the delete names.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from posttrain.chain.checkpoint import INDEX_NAME
 from posttrain.chain.errors import ChainError
 from posttrain.chain.format import IDENTITY_RE, MAX_CHAIN_DELTAS, slime_dir
 from posttrain.promote.history import PROMOTIONS, History, HistoryError, champions, check_deployment
+from posttrain.promote.lease import live_deployment_leases
 from posttrain.publish.lease import GC_TTL, GcLease, RunBusy
 from posttrain.publish.ledger import RUN_NAME_RE, RUNS_PREFIX, Ledger, LedgerEntry
 from posttrain.storage import NotFound, Store
@@ -104,6 +112,7 @@ class GcPlan:
     # or the caller's reason), several reasons joined by "; "
     protected_by: dict[str, str] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)  # roots named that the store lacks: nothing to keep
+    history: dict[str, str] = field(default_factory=dict)  # what the promotion histories needed when planned
 
     def held_back(self) -> dict[str, str]:
         """The roots kept for another reason than being a version of a kept run: what the dry run lists."""
@@ -213,7 +222,7 @@ def plan_gc(store: Store, config: GcConfig, *, now: float | None = None,
         if going and len(going) == len(entries):
             whole.add(r.run)
     protected_by = {i: "; ".join(dict.fromkeys(why)) for i, why in reasons.items()}
-    return GcPlan(store.uri, runs, protected, doomed, planned, whole, protected_by, absent)
+    return GcPlan(store.uri, runs, protected, doomed, planned, whole, protected_by, absent, needed_by_history)
 
 
 def _base(e: LedgerEntry, same_run: set[str]) -> str | None:
@@ -309,6 +318,9 @@ def run_gc(store: Store, plan: GcPlan, *, progress: Callable[[Doomed], None] | N
                 result.skipped[run] = (f"run {run}: its ledger changed since the plan ({len(now)} snapshots, "
                                        f"{len(plan.planned[run])} planned); left for the next gc")
                 continue
+            items = _still_doomed(store, plan, run, items, result)
+            if items is None:
+                continue
             for d in items:
                 lease.renew()  # stops (LeaseLost) rather than delete without a live lease
                 delete_snapshot(store, d.identity)
@@ -316,9 +328,30 @@ def run_gc(store: Store, plan: GcPlan, *, progress: Callable[[Doomed], None] | N
                 result.deleted.append(d)
                 if progress is not None:
                     progress(d)
-            if run in plan.whole:
+            if run in plan.whole and len(items) == len(plan.planned[run]):
                 rest = [k for k in store.list(ledger.root) if k != lease.key]
                 store.delete(rest)  # the run is gone: its claims, settings and latest pointer too
         finally:
             lease.release()
     return result
+
+
+def _still_doomed(store: Store, plan: GcPlan, run: str, items: list[Doomed], result: GcResult) -> list[Doomed] | None:
+    """Under the run's gc lease (written first): None (the run is skipped) while a promotion or
+    rollback holds a deployment; else ``items`` less what a history record written since the plan
+    needs (with its chain prefix)."""
+    busy = live_deployment_leases(store, time.time())
+    if busy:
+        deployment, held = sorted(busy.items())[0]
+        result.skipped[run] = (f"run {run}: deployment {deployment} is being changed ({held.describe(time.time())}); "
+                               "left for the next gc")
+        return None
+    new = set(history_roots(store)) - set(plan.history)
+    if not new:
+        return items
+    owners: dict[str, list[LedgerEntry]] = {}
+    for name in run_names(store):
+        for e in Ledger(store, name).entries():
+            owners.setdefault(e.identity, []).append(e)
+    keep = {i for identity in new for i in _prefix(store, identity, owners)}
+    return [d for d in items if d.identity not in keep]
