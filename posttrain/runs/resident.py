@@ -17,7 +17,9 @@ than the bound. With k = 0 every round waits for the round before it: synchronou
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from posttrain.runs.once import (
 )
 from posttrain.trainer.checkpoints import CheckpointInfo, try_inspect
 from posttrain.trainer.config import TrainerConfig, TrainingResult
-from posttrain.trainer.rounds import ROLLOUTS_FILE, hand_round, read_ready, round_dir, start_position
+from posttrain.trainer.rounds import ROLLOUTS_FILE, beat, hand_round, read_ready, round_dir, start_position
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,45 @@ def retired_markers(marker: Path) -> list[Path]:
     return [*earlier, marker]
 
 
+def heartbeat_interval(round_timeout_s: float) -> float:
+    """How often the flow beats for a trainer that waits ``round_timeout_s``: several beats per
+    timeout (a late or lost write costs nothing), at most every 30 s."""
+    return min(30.0, round_timeout_s / 6)
+
+
+@contextmanager
+def keep_rounds_alive(rounds_dir: str | Path, every: float) -> Iterator[None]:
+    """While the block runs, a thread rewrites the rounds' heartbeat (``trainer.rounds.beat``) every
+    ``every`` seconds: a resident trainer waiting for a round then waits as long as the flow works
+    on it (a slow hot-load, a long sampling) and times out only once the flow is gone. A failed
+    write is logged and tried again at the next beat; leaving the block stops the beats."""
+    stop = threading.Event()
+
+    def beats() -> None:
+        count, failing = 0, False
+        while True:
+            count += 1
+            try:
+                beat(rounds_dir, count)
+            except OSError as e:
+                if not failing:
+                    log.warning("the rounds' heartbeat could not be written (%s); a waiting trainer times out "
+                                "round_timeout_s after the last one", e)
+                failing = True
+            else:
+                failing = False
+            if stop.wait(every):
+                return
+
+    thread = threading.Thread(target=beats, name="rounds-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 @dataclass(frozen=True)
 class Policy:
     """The policy a round samples from: ``version`` rounds trained (0: the initial policy) at ``path``."""
@@ -159,6 +200,11 @@ class ResidentRun(RunJob):
         self.start_step, self.start_version = start_position(trainer.model_name_or_path)
         self._watch = self.checkpoints()
         self._newest = Policy(0, str(trainer.model_name_or_path))
+
+    def keep_alive(self):
+        """A context manager: the flow's heartbeat for the trainer while the block works on the
+        rounds (``keep_rounds_alive``, beating several times per ``round_timeout_s``)."""
+        return keep_rounds_alive(self.rounds_dir, heartbeat_interval(self.trainer.round_timeout_s))
 
     # ------------------------------------------------------------------ one round
     def checkpoint_path(self, round: int) -> Path:

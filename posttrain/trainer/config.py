@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from posttrain.errors import validation_problems
 from posttrain.rollouts.scoring import REWARD_FUNC_PATTERN, REWARD_FUNCS_SCHEMA
 
 
@@ -72,8 +73,9 @@ class TrainerConfig(BaseModel):
     )
     rounds: int | None = Field(None, ge=1, description="resident: how many rounds (updates) the run has.")
     round_timeout_s: float = Field(
-        3600.0, gt=0, description="resident: seconds to wait for a round's ready.json before the job ends "
-        "with an error naming the round and its folder.",
+        3600.0, gt=0, description="resident: seconds to wait for a round's ready.json after the flow's heartbeat "
+        "(rounds_dir/flow-heartbeat.json) last changed, or after the wait began, before the job ends with an "
+        "error naming the round, its folder and the heartbeat's age.",
     )
     reward_funcs: list[str] = Field(
         default_factory=list,
@@ -269,5 +271,5 @@ def load_trainer_config(path: str | os.PathLike[str]) -> TrainerConfig:
     try:
         return TrainerConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"  - {'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+        lines = [f"  - {line}" for line in validation_problems(e)]
         raise ConfigError(f"{path}: invalid trainer config:\n" + "\n".join(lines)) from None

@@ -14,9 +14,11 @@ running): the newest complete step checkpoint of ``output_dir`` (weights, ``opti
 ``trainer_state.json``) is loaded and the run goes on with the round after it; a round whose
 checkpoint exists is never trained again, and a run whose last round is written returns at once.
 A stop request (SIGTERM, SIGUSR2) ends the wait or the update at the next optimizer step without
-writing a partial checkpoint: the job exits 75 and its next start resumes. A round not handed within
-``round_timeout_s`` of the trainer starting to wait for it ends the job with a RoundError naming the
-round and its folder.
+writing a partial checkpoint: the job exits 75 and its next start resumes. The wait for a round is
+kept alive by the flow's heartbeat (``rounds.HeartbeatWatch``) while the flow publishes, hot-loads
+and samples it: a round not handed ``round_timeout_s`` after the heartbeat last changed (or after
+the wait began, when it never changed), that is once the flow is gone, ends the job with a
+RoundError naming the round, its folder and the heartbeat's age.
 
 Several ranks (torchrun): each polls the marker; they go on together when all see it, stop
 together when any is asked to stop, and time out together. Each trains its share of the micro-batches
@@ -27,14 +29,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 from posttrain.rollouts.format import load_rollouts
 from posttrain.trainer import distributed, timeline
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE, CheckpointInfo, complete_checkpoints
 from posttrain.trainer.config import TrainerConfig, TrainingResult
-from posttrain.trainer.rounds import RoundError, RoundReady, handed_rollouts, read_ready, round_dir
+from posttrain.trainer.rounds import (
+    HeartbeatWatch,
+    RoundError,
+    RoundReady,
+    handed_rollouts,
+    read_ready,
+    round_dir,
+)
 from posttrain.trainer.policy import PolicyTrainer, select_update
 from posttrain.trainer.grpo_update import OPTIMIZER_FILE, PolicyState, StepError, policy_position
 from posttrain.trainer.tracking import log_update
@@ -102,21 +110,24 @@ def run_resident(config: TrainerConfig, stop_event: threading.Event) -> Training
 
 def wait_for_round(config: TrainerConfig, round: int, device, stop_event: threading.Event) -> RoundReady | None:
     """The round's marker once every rank sees it; None when a stop request came first; RoundError
-    after ``round_timeout_s`` without it."""
+    once the flow's heartbeat has not changed for ``round_timeout_s`` (the flow is gone)."""
     assert config.rounds_dir is not None
-    deadline = time.monotonic() + config.round_timeout_s
+    timeout = config.round_timeout_s
+    heartbeat = HeartbeatWatch(config.rounds_dir)
     folder = round_dir(config.rounds_dir, round)
     while True:
         ready = read_ready(config.rounds_dir, round)
-        missing, stop, late = distributed.any_rank_flags(
-            [ready is None, stop_event.is_set(), ready is None and time.monotonic() >= deadline], device)
+        age = heartbeat.age()
+        missing, stop, late = distributed.any_rank_flags([ready is None, stop_event.is_set(),
+                                                          ready is None and age >= timeout], device)
         if stop:
             return None
         if not missing:
             return ready
         if late:
-            raise RoundError(f"round {round}: no rollouts in {folder} after {config.round_timeout_s:g} s")
-        stop_event.wait(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
+            raise RoundError(f"round {round}: no rollouts in {folder} after {timeout:g} s without a heartbeat "
+                             f"from the flow ({heartbeat.describe()})")
+        stop_event.wait(max(0.0, min(POLL_INTERVAL_S, timeout - age)))
 
 
 def _resume_point(config: TrainerConfig, start_step: int,

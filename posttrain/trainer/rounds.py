@@ -17,12 +17,22 @@ For round ``r`` (0, 1, ... ``rounds`` - 1), in ``<rounds_dir>/<r:04d>/`` (the GR
 A round is trained once: a restarted trainer resumes from the newest complete checkpoint of
 ``output_dir`` and waits for the round after it. A handed round is never changed: the flow hands
 round ``r`` again only with the same rollouts (same SHA-256). No torch here: the flow imports it.
+
+While the flow works on the rounds (publishing, hot-loading, sampling: minutes each on a real
+model) it rewrites ``<rounds_dir>/flow-heartbeat.json`` every few seconds (:func:`beat`; the
+thread is ``posttrain.runs.resident.keep_rounds_alive``). The trainer's wait for a round ends
+``round_timeout_s`` after the heartbeat last changed (:class:`HeartbeatWatch`), that is once the
+flow is gone, not while a slow round is in progress. It compares the file's content with what it
+saw before, on its own clock: no clock of the flow's machine or the file server is trusted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -32,6 +42,8 @@ from posttrain.fsutil import atomic_write
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 READY_FILE = "ready.json"
+#: Rewritten by the flow while it works on the rounds (in ``rounds_dir``, beside the round folders).
+HEARTBEAT_FILE = "flow-heartbeat.json"
 
 
 class RoundError(RuntimeError):
@@ -113,3 +125,46 @@ def read_ready(rounds_dir: str | Path, round: int) -> RoundReady | None:
 def handed_rollouts(rounds_dir: str | Path, ready: RoundReady) -> Path:
     """The rollouts file a marker hands (its SHA-256 is checked where it is read)."""
     return round_dir(rounds_dir, ready.round) / ready.rollouts
+
+
+def heartbeat_path(rounds_dir: str | Path) -> Path:
+    return Path(rounds_dir) / HEARTBEAT_FILE
+
+
+def beat(rounds_dir: str | Path, count: int) -> None:
+    """The flow's side: rewrite the heartbeat (atomically), its content new each time (``count``)."""
+    body = {"beat": count, "at": datetime.now(UTC).isoformat(), "host": socket.gethostname(), "pid": os.getpid()}
+    atomic_write(heartbeat_path(rounds_dir), json.dumps(body) + "\n")
+
+
+class HeartbeatWatch:
+    """The trainer's side: seconds since the flow's heartbeat last changed, as this process saw it
+    (its monotonic clock; counted from the watch's start until a change is seen)."""
+
+    def __init__(self, rounds_dir: str | Path) -> None:
+        self.path = heartbeat_path(rounds_dir)
+        self._seen = self._read()
+        self._since = time.monotonic()
+        self._changed = False
+
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def age(self) -> float:
+        """Look at the heartbeat now; seconds since it last changed (or since the watch started)."""
+        now, current = time.monotonic(), self._read()
+        if current != self._seen:
+            self._seen, self._since, self._changed = current, now, True
+        return now - self._since
+
+    def describe(self) -> str:
+        """The heartbeat's state in words, for an error."""
+        age = time.monotonic() - self._since
+        if self._changed:
+            return f"the flow's heartbeat {self.path} last changed {age:.1f} s ago"
+        if self._seen is None:
+            return f"no flow heartbeat at {self.path} in {age:.1f} s"
+        return f"the flow's heartbeat {self.path} did not change in {age:.1f} s"

@@ -108,13 +108,16 @@ def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(pr
     # there, after rounds 0 and 1 trained, and so does a retry, which finds the job still waiting.
     # Then the job is lost (its process group stopped, as with its node); the marker is removed and the
     # run retried as the UI does: the job is submitted again and resumes from round 1's checkpoint.
+    # Result persistence is on (issue 33, item 10): the retry's second ``submit`` (after the dead job's
+    # marker is retired) must submit, not return the first attempt's cached record of the dead job.
     from posttrain.runs.once import cancel_job
 
     run = "flows-grpo-resident-retry"
     marker = tmp_path / "fail-round-2"
     marker.write_text("fail\n")
     settings = tiny_setup.grpo_settings(run, rounds=3, reward_funcs=["tests.pipeline.flaky:round_failing_reward"])
-    proc, flow_run_id = start_deployment(GRPO, settings, env={FAIL_ROUND_MARKER_ENV: f"2:{marker}"})
+    proc, flow_run_id = start_deployment(GRPO, settings, env={FAIL_ROUND_MARKER_ENV: f"2:{marker}",
+                                                              "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"})
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
     run_dir = run_folder(tiny_setup, run, flow_run_id)
     first = wait_final(flow_run_id, timeout=300)
@@ -167,6 +170,10 @@ def test_a_retried_resident_run_finds_its_job_and_goes_on_from_its_last_round(pr
     assert any("round 1: sampled by an earlier attempt" in m for m in logs), logs
     assert [t.name for t in task_runs(flow_run_id)].count("publish-step-3") == 1
     assert tiny_setup.served_identity().startswith("step-00000003-")
+    # Persistence was on: the retries reused the checks' results; every submit ran (none was Cached).
+    runs = task_runs(flow_run_id)
+    assert any(t.state_name == "Cached" for t in runs), sorted({(t.name, t.state_name) for t in runs})
+    assert not [t.name for t in runs if t.name.startswith("submit-") and t.state_name == "Cached"]
 
 
 @pytest.mark.timeout(420)
@@ -196,17 +203,41 @@ def test_cancelling_a_resident_run_mid_run_stops_its_trainer(process_worker, tin
 
 @pytest.mark.timeout(300)
 def test_a_resident_job_that_ends_before_a_rounds_checkpoint_fails_the_run_with_its_reason(tiny_setup, monkeypatch):
-    # The trainer waits 1 s for round 0's rollouts, whose sampling takes longer: it ends (RoundError)
-    # before the round is handed, and the flow run fails with that reason instead of waiting forever.
+    # The flow's heartbeat is switched off, so the trainer sees the flow as gone: it waits 1 s for
+    # round 0's rollouts, whose sampling takes longer, and ends (RoundError) before the round is
+    # handed; the flow run fails with that reason instead of waiting forever.
+    from contextlib import nullcontext
+
     from posttrain.pipeline.flows.grpo import grpo
+    from posttrain.runs.resident import ResidentRun
     from tests.pipeline.flaky import SLOW_SECONDS_ENV
 
     monkeypatch.setenv(SLOW_SECONDS_ENV, "20")
+    monkeypatch.setattr(ResidentRun, "keep_alive", lambda self: nullcontext())
     params = tiny_setup.grpo_settings("flows-resident-late", rounds=2, prompts_per_round=1, round_timeout_s=1,
                                       reward_funcs=["tests.pipeline.flaky:slow_reward"])
     state = grpo(**params, return_state=True)
     assert state.is_failed(), state.message
-    assert "no rollouts in" in (state.message or "") and "after 1 s" in state.message, state.message
+    assert "no rollouts in" in (state.message or "") and "after 1 s without a heartbeat" in state.message, \
+        state.message
+
+
+@pytest.mark.timeout(300)
+def test_a_round_longer_than_round_timeout_s_is_waited_for_while_the_flow_works_on_it(tiny_setup, monkeypatch):
+    # The same run with the flow's heartbeat on: each round's sampling (5 s) outlasts the trainer's
+    # round_timeout_s (2 s), and the trainer waits for it (issue 33, item 12: a slow hot-load or
+    # sampling killed the job).
+    from posttrain.pipeline.flows.grpo import grpo
+    from tests.pipeline.flaky import SLOW_SECONDS_ENV
+
+    monkeypatch.setenv(SLOW_SECONDS_ENV, "5")
+    params = tiny_setup.grpo_settings("flows-resident-slow-round", rounds=2, prompts_per_round=1, round_timeout_s=2,
+                                      reward_funcs=["tests.pipeline.flaky:slow_reward"])
+    state = grpo(**params, return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    assert [row["round"] for row in report.rounds] == [0, 1]
+    assert all(row["sample s"] > 2 for row in report.rounds), report.rounds  # each round outlasted the timeout
 
 
 @pytest.mark.timeout(600)

@@ -30,7 +30,7 @@ from posttrain.fsutil import atomic_write
 from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.settings import GrpoSettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks import events
-from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
+from posttrain.pipeline.tasks.blocks import check_blocks, check_dask_scheduler, check_job_inputs, check_reward_funcs
 from posttrain.pipeline.tasks.goodput import FlowClock, report_goodput
 from posttrain.pipeline.tasks.publishing import hot_load, publish_weights
 from posttrain.pipeline.tasks.report import (
@@ -75,7 +75,10 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     settings = settings.for_flow_run(flow_run.id)
     run_dir = settings.run_dir
     check_blocks(settings.cluster, settings.store, settings.inference)  # before anything is submitted
-    check_job_inputs(settings.cluster, settings.base_model, settings.dataset, settings.shared_dir)
+    check_job_inputs(settings.cluster, settings.base_model, settings.dataset, settings.shared_dir,
+                     ref_model=settings.ref_model)
+    if settings.dask_address:  # before the job is submitted, not at the first round's shards
+        check_dask_scheduler(settings.dask_address)
     check_reward_funcs(settings.rollout.reward_funcs)
     staged = stage(settings.dataset, settings.shared_dir)
     rows = read_staged_rows(staged.manifest_path)
@@ -196,7 +199,9 @@ def resident_rounds(settings: GrpoSettings, rows: list[dict], clock: FlowClock, 
                        poll_interval=settings.watch_poll_s, card=card)
     training_metrics(card, trainer)  # where the curves are: TensorBoard's folder and command
     served: Served | None = None
-    with shard_runner(settings.task_runner, settings.dask_address, settings.dask_workers) as runner:
+    # The heartbeat keeps the trainer's wait for a round alive while this flow publishes, hot-loads
+    # and samples it (round_timeout_s counts from the last beat); after the last hand-over it waits for no round.
+    with job.keep_alive(), shard_runner(settings.task_runner, settings.dask_address, settings.dask_workers) as runner:
         for r in range(settings.rounds):
             t0 = time.perf_counter()
             if job.sampled(r):  # a retried flow run: an earlier attempt sampled it (and maybe it trained)
