@@ -29,7 +29,7 @@ def flow_run_events(flow_run_id: str | UUID, prefix: str = "posttrain.") -> list
     return sorted(found, key=lambda e: e.occurred)
 
 
-def wait_events(flow_run_id: str | UUID, done: Callable[[list], bool], timeout: float = 30) -> list:
+def wait_events(flow_run_id: str | UUID, done: Callable[[list], bool], timeout: float = 120) -> list:
     """The flow run's posttrain events once ``done(events)`` holds; AssertionError after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:

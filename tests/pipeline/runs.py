@@ -91,7 +91,7 @@ def wait_submitted(setup, worker, run: str, flow_run_id: str, marker: str = "tra
     return JobRecord.model_validate_json(path.read_text())
 
 
-def wait_not_final(flow_run_id: str | UUID, timeout: float = 30):
+def wait_not_final(flow_run_id: str | UUID, timeout: float = 120):
     """Wait until a retried flow run has left its final state (it is scheduled again)."""
     deadline = time.monotonic() + timeout
     while read_flow_run(flow_run_id).state.is_final():
@@ -139,7 +139,7 @@ def assert_one_shard_retried(flow_run_id: str | UUID, *, shards: int) -> None:
     assert any("ConnectionError" in m and "Retry 1/2" in m for m in logs), logs
 
 
-def flow_run_logs_until(flow_run_id: str | UUID, text: str, timeout: float = 15) -> list[str]:
+def flow_run_logs_until(flow_run_id: str | UUID, text: str, timeout: float = 60) -> list[str]:
     """The flow run's log messages once one holds ``text`` (logs reach the API in the background),
     or as they are after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

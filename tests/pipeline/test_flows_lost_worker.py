@@ -52,7 +52,7 @@ def _wait_crashed(flow_run_id: str, timeout: float) -> float:
         time.sleep(1)
 
 
-def _wait_logged(flow_run_id: str, line: str, timeout: float = 30) -> None:
+def _wait_logged(flow_run_id: str, line: str, timeout: float = 90) -> None:
     """Until the flow run's logs (written by a background writer, after its state) hold ``line``."""
     deadline = time.monotonic() + timeout
     while True:

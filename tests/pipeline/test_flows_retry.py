@@ -136,7 +136,7 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     assert tiny_setup.served_identity() == entries[-1].identity
 
     # 5. The retried attempt ran the publish tasks again, and they uploaded nothing.
-    deadline = time.monotonic() + 20  # the flow run's process sends its last logs as it exits
+    deadline = time.monotonic() + 60  # the flow run's process sends its last logs as it exits
     logs = flow_run_logs(flow_run_id, since=retried_at)
     while not any("checkpoints published" in m for m in logs):
         assert time.monotonic() < deadline, logs

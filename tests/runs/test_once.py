@@ -228,13 +228,13 @@ def test_cancel_job_stops_the_whole_process_group_of_a_local_job(tmp_path):
     job = record(tmp_path, "local").model_copy(update={"pgid": proc.pid})
     import time
 
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while len(group_members(proc.pid)) < 2 and time.monotonic() < deadline:  # the shell and its sleep
         time.sleep(0.05)
     assert len(group_members(proc.pid)) == 2
     said = once.cancel_job(job, None)
     assert f"stopped process group {proc.pid} (2 processes)" in said
-    proc.wait(5)
+    proc.wait(60)
     assert group_members(proc.pid) == []
     assert once.job_ended(job)
     assert "had already ended" in once.cancel_job(job, None)

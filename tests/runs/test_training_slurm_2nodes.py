@@ -127,7 +127,7 @@ def test_requeue_of_a_two_node_job_resumes_on_both_nodes(shared: Path, slurm_job
             t0 = time.monotonic()
             subprocess.run(["scontrol", "requeue", job_id], check=True)
             while job_processes(job_dir):  # both nodes' tasks stop
-                assert time.monotonic() - t0 < 30, f"left running: {job_processes(job_dir)}"
+                assert time.monotonic() - t0 < 120, f"left running: {job_processes(job_dir)}"
                 time.sleep(0.2)
             stopped_s = time.monotonic() - t0
             # the first attempt is gone: what it left is what the second must resume from
