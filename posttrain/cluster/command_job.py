@@ -32,6 +32,11 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
         proc.wait()
 
 
+#: The shell that runs a job's line (its setup_commands, then the launcher), by its path: the job's
+#: PATH need not name it.
+JOB_SHELL = "/bin/bash"
+
+
 class CommandJob(submitit.helpers.Checkpointable):
     def __init__(self, line: str, grace_s: float = 60.0) -> None:
         self.line = line
@@ -40,7 +45,7 @@ class CommandJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> int:
         # Same process group as this task: Slurm's process tracking then ends it with the step.
-        self._proc = subprocess.Popen(["/bin/bash", "-c", f"trap '' USR2\n{self.line}"])
+        self._proc = subprocess.Popen([JOB_SHELL, "-c", f"trap '' USR2\n{self.line}"])
         try:
             # Poll rather than wait(): submitit's signal handler calls checkpoint(), which must
             # reap the process, and Popen.wait() holds a lock a nested wait would deadlock on.

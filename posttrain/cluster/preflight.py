@@ -7,7 +7,9 @@ Paths are checked where the submitter runs: on Slurm that is the login node (or 
 which sees the cluster's shared storage; locally it is where the job runs; on Kubernetes it is the
 machine running the flow, which mounts the job's PersistentVolumeClaim at ``pvc_mount`` as the
 pods do (it writes the run folder the pods read: docs/site-setup.md), so a path must also be
-under ``pvc_mount``. The launcher of a Kubernetes job lives in the image: left to the job.
+under ``pvc_mount``, where it points too (a link on the PVC to a path off it is not seen by the
+pods). A model folder (the base model, the reference model) must hold a ``config.json``. The
+launcher of a Kubernetes job lives in the image: left to the job.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Collection, Mapping
@@ -22,10 +25,11 @@ from typing import Literal
 
 from posttrain import redact
 from posttrain.cluster import checks
+from posttrain.cluster.command_job import JOB_SHELL
 from posttrain.cluster.config import ClusterConfig, KubernetesConfig, LocalConfig, SlurmConfig
 from posttrain.cluster.errors import ConfigError
 
-PathKind = Literal["folder", "file", "folder to create"]
+PathKind = Literal["folder", "model folder", "file", "folder to create"]
 LAUNCHER_PROGRAMS = {"torchrun": "torchrun", "accelerate": "accelerate"}
 MISSING = "POSTTRAIN-LAUNCHER-MISSING"
 # The probe is a one-task job: it waits at most this long for an allocation (srun --immediate), and
@@ -35,6 +39,10 @@ PROBE_TIMEOUT_S = 120
 # Outcomes of the Slurm probe per cluster settings, for this process: one probe per cluster, not
 # one per GRPO round. Only definite answers are kept (a probe that got no allocation is retried).
 _probed: dict[str, str | None] = {}
+# What a Hugging Face model folder holds whatever its weights' format (from_pretrained reads it first).
+MODEL_CONFIG = "config.json"
+# Seconds a check of a service's address waits for the connection (a scheduler that answers does at once).
+CONNECT_TIMEOUT_S = 5.0
 
 
 def _where(config: ClusterConfig) -> str:
@@ -54,12 +62,23 @@ def check_paths(config: ClusterConfig, paths: Mapping[str, tuple[str, PathKind]]
     ``pvc_mount`` is refused too: the pods would not see it."""
     for name, (path, kind) in paths.items():
         read_by_job = job_reads is None or name in job_reads
-        if isinstance(config, KubernetesConfig) and read_by_job and not checks.is_under(path, [config.pvc_mount]):
-            raise ConfigError(name, f"{path} is not on the PVC (under pvc_mount {config.pvc_mount}); "
-                                    "the pods would not see it")
+        if isinstance(config, KubernetesConfig) and read_by_job:
+            _check_on_pvc(config, name, path)
         problem = _path_problem(config, path, kind)
         if problem:
             raise ConfigError(name, f"{path} {problem} ({_where(config)})")
+
+
+def _check_on_pvc(config: KubernetesConfig, name: str, path: str) -> None:
+    """The path is under pvc_mount, and so is what it resolves to: a link on the PVC to a path off it
+    resolves in the pods too, to a path their PVC does not hold."""
+    if not checks.is_under(path, [config.pvc_mount]):
+        raise ConfigError(name, f"{path} is not on the PVC (under pvc_mount {config.pvc_mount}); "
+                                "the pods would not see it")
+    real, mount = os.path.realpath(path), os.path.realpath(config.pvc_mount)
+    if not checks.is_under(real, [mount]):
+        raise ConfigError(name, f"{path} resolves to {real}, which is not on the PVC (under pvc_mount "
+                                f"{config.pvc_mount}): a link points off it; the pods would not see it")
 
 
 def _path_problem(config: ClusterConfig, path: str, kind: PathKind) -> str | None:
@@ -67,13 +86,15 @@ def _path_problem(config: ClusterConfig, path: str, kind: PathKind) -> str | Non
         return _remote_path_problem(config, path, kind)
     if kind == "file":
         return None if os.path.isfile(path) else ("is not a file" if os.path.exists(path) else "does not exist")
+    if kind == "model folder" and os.path.isdir(path) and not os.path.isfile(os.path.join(path, MODEL_CONFIG)):
+        return f"has no {MODEL_CONFIG}: not a Hugging Face model folder"
     if os.path.isdir(path):
         return None
     if os.path.exists(path):
         return "is not a folder"
     if kind == "folder to create" and os.path.isdir(os.path.dirname(path.rstrip("/")) or "/"):
         return None
-    return "does not exist" if kind == "folder" else "does not exist, nor does its parent folder"
+    return "does not exist, nor does its parent folder" if kind == "folder to create" else "does not exist"
 
 
 def _remote_path_problem(config: SlurmConfig, path: str, kind: PathKind) -> str | None:
@@ -84,8 +105,13 @@ def _remote_path_problem(config: SlurmConfig, path: str, kind: PathKind) -> str 
     script = f"test {test} {shlex.quote(path)}"
     if kind == "folder to create":
         script = f"{script} || {{ test ! -e {shlex.quote(path)} && test -d {shlex.quote(parent)}; }}"
+    if kind == "model folder":
+        script = f"{script} && test -f {shlex.quote(os.path.join(path, MODEL_CONFIG))}"
     result = SshShell(config.ssh_host).run(["sh", "-c", script], check=False, timeout=60)  # type: ignore[arg-type]
-    return None if result.returncode == 0 else f"is not a {'file' if kind == 'file' else 'folder'} there"
+    if result.returncode == 0:
+        return None
+    return {"file": "is not a file there", "model folder": f"is not a model folder there (a folder with "
+            f"{MODEL_CONFIG})"}.get(kind, "is not a folder there")
 
 
 def check_launcher(config: ClusterConfig) -> str | None:
@@ -107,10 +133,17 @@ def check_launcher(config: ClusterConfig) -> str | None:
 def _check_local(config: LocalConfig, program: str) -> None:
     # the job's PATH as the local backend builds it: the submitter's Python folder first
     path = config.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    if config.setup_commands:  # they may put it on the PATH (a venv's activate): ask a shell after them
+    if config.setup_commands:  # they may put it on the PATH (a venv's activate): ask the job's shell after them
         script = " && ".join([*config.setup_commands, f"command -v {program}"])
-        found = subprocess.run(["bash", "-c", script], env={**os.environ, **config.env, "PATH": path},
-                               capture_output=True, timeout=60).returncode == 0
+        try:  # the job's shell by its path, as the job runs it: the job's PATH need not hold bash
+            found = subprocess.run([JOB_SHELL, "-c", script], env={**os.environ, **config.env, "PATH": path},
+                                   capture_output=True, timeout=60).returncode == 0
+        except OSError as e:
+            raise ConfigError("setup_commands", f"cannot run {JOB_SHELL}, the shell that runs them "
+                              f"({e.strerror or e})") from None
+        except subprocess.TimeoutExpired:
+            raise ConfigError("setup_commands", "did not finish within 60 s on this machine (run to find the "
+                              f"launcher {program} after them)") from None
     else:
         found = shutil.which(program, path=path) is not None
     if not found:
@@ -174,3 +207,37 @@ def _probe_slurm(config: SlurmConfig, program: str) -> tuple[str | None, str]:
     reason = " ".join(result.stderr.decode(errors="replace").split())[-300:]
     return None, redact.scrub(f"launcher {config.launcher} not checked: the srun probe failed "
                               f"(exit {result.returncode}: {reason})")
+
+
+def check_model_ref(config: ClusterConfig, name: str, value: str) -> None:
+    """A model the job loads by ``from_pretrained``: an absolute path is checked as a model folder
+    (``check_paths``); anything else must be a Hugging Face hub id, which the job downloads."""
+    if value.startswith("/"):
+        check_paths(config, {name: (value, "model folder")})
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        raise ConfigError(name, f"{value!r} is neither an absolute path (a model folder) nor a Hugging Face "
+                                "hub id (org/name)") from None
+
+
+def check_reachable(name: str, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """``ConfigError`` naming ``name`` when nothing accepts a TCP connection at a Dask-style address
+    (``tcp://host:port``, ``tls://``, ``ws://``, ``wss://``) within ``timeout_s``. A ``ucx://``
+    address is not TCP: not checked (returns why, for the run's log)."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    scheme, location = parse_address(address)
+    if scheme == "ucx":
+        return f"{name} {address} not checked (ucx is not TCP)"
+    host, port = parse_host_port(location)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:  # refused, unreachable, no such host, or no answer in time (TimeoutError)
+        why = e.strerror or ("no answer in time" if isinstance(e, TimeoutError) else str(e) or type(e).__name__)
+        raise ConfigError(name, f"nothing answers at {address} ({why}, waited at most {timeout_s:g} s); "
+                                "start the scheduler or fix the address") from None

@@ -309,6 +309,11 @@ class GrpoSettings(RunSettings):
     def _trainer(cls, v: BaseModel) -> BaseModel:
         return check_trainer(v, "step")
 
+    @property
+    def ref_model(self) -> str | None:
+        """The reference model the job loads (ref_model_name_or_path, with beta > 0), else None."""
+        return self.trainer.ref_model_name_or_path if self.trainer.beta > 0 else None
+
     @field_validator("inference")
     @classmethod
     def _inference(cls, v: str | None) -> str | None:

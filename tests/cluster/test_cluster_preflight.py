@@ -17,12 +17,13 @@ from posttrain.cluster import preflight
 @pytest.fixture
 def inputs(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "prompts.jsonl").write_text("{}\n")
     return {"base_model": tmp_path / "model", "dataset": tmp_path / "prompts.jsonl", "shared_dir": tmp_path / "shared"}
 
 
 def _paths(inputs: dict[str, Path], **change: str) -> dict:
-    kinds = {"base_model": "folder", "dataset": "file", "shared_dir": "folder to create"}
+    kinds = {"base_model": "model folder", "dataset": "file", "shared_dir": "folder to create"}
     return {k: (change.get(k, str(v)), kinds[k]) for k, v in inputs.items()}
 
 
@@ -159,3 +160,98 @@ def test_the_job_environment_path_is_what_the_local_backend_uses():
 
     env = LocalBackend(LocalConfig()).environment(JobSpec(name="x", command=["python"]))
     assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(os.sys.executable)
+
+
+@pytest.mark.parametrize(("config", "where"), [(CONFIGS[0], "checked on this machine, where the job runs"),
+                                               (CONFIGS[1], "checked on this login node, which sees the cluster's "
+                                                            "shared storage")], ids=["local", "slurm"])
+def test_an_empty_model_folder_is_named_with_the_missing_file(config, where, inputs, tmp_path):
+    """An empty base_model folder passed; the job then failed in from_pretrained, after a queue slot."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as info:
+        preflight.check_paths(config, _paths(inputs, base_model=str(tmp_path / "empty")))
+    assert str(info.value) == (f"base_model: {tmp_path / 'empty'} has no config.json: not a Hugging Face model "
+                               f"folder ({where})")
+
+
+def test_a_link_on_the_pvc_that_points_off_it_is_refused(inputs, tmp_path):
+    """The pods resolve the link in their own file system, where the PVC holds only what is under
+    pvc_mount: the model it points to is not there."""
+    pvc = tmp_path / "pvc"
+    (pvc / "models").mkdir(parents=True)
+    config = KubernetesConfig(namespace="ml", image="registry/posttrain:1", pvc="shared", pvc_mount=str(pvc))
+    (pvc / "models" / "off").symlink_to(inputs["base_model"])  # a real model folder, off the PVC
+    (pvc / "models" / "base").mkdir()
+    (pvc / "models" / "base" / "config.json").write_text("{}")
+    (pvc / "models" / "on").symlink_to(pvc / "models" / "base")  # a link that stays on the PVC is fine
+    paths = _paths(inputs, base_model=str(pvc / "models" / "on"), shared_dir=str(pvc / "posttrain"))
+    preflight.check_paths(config, paths, job_reads={"base_model", "shared_dir"})
+    with pytest.raises(ConfigError) as info:
+        preflight.check_paths(config, {**paths, "base_model": (str(pvc / "models" / "off"), "model folder")},
+                              job_reads={"base_model", "shared_dir"})
+    assert str(info.value) == (f"base_model: {pvc}/models/off resolves to {inputs['base_model']}, which is not on "
+                               f"the PVC (under pvc_mount {pvc}): a link points off it; the pods would not see it")
+    (pvc / "work").symlink_to(tmp_path)  # a folder to create under a link off the PVC
+    with pytest.raises(ConfigError, match=r"^shared_dir: .* resolves to .*, which is not on the PVC"):
+        preflight.check_paths(config, {**paths, "shared_dir": (str(pvc / "work" / "posttrain"), "folder to create")},
+                              job_reads={"base_model", "shared_dir"})
+
+
+def test_setup_commands_are_checked_with_no_bash_on_the_jobs_path(tmp_path):
+    """The job runs its line with /bin/bash by path; the check looked bash up on the job's PATH and
+    raised FileNotFoundError (a traceback) when the PATH had none."""
+    (tmp_path / "empty").mkdir()
+    _program(tmp_path / "venv" / "bin", "torchrun")
+    missing = LocalConfig(launcher="torchrun", env={"PATH": str(tmp_path / "empty")}, setup_commands=["true"])
+    with pytest.raises(ConfigError, match=r"^launcher: torchrun is not on the job's PATH on this machine"):
+        preflight.check_launcher(missing)
+    preflight.check_launcher(LocalConfig(launcher="torchrun", env={"PATH": str(tmp_path / "empty")},
+                                         setup_commands=[f"PATH={tmp_path / 'venv' / 'bin'}:$PATH"]))
+
+
+def test_a_job_shell_that_cannot_run_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight, "JOB_SHELL", str(tmp_path / "no-bash"))
+    with pytest.raises(ConfigError) as info:
+        preflight.check_launcher(LocalConfig(launcher="torchrun", setup_commands=["true"]))
+    assert str(info.value) == (f"setup_commands: cannot run {tmp_path / 'no-bash'}, the shell that runs them "
+                               "(No such file or directory)")
+
+
+def test_the_reference_model_is_checked_like_the_base_model(inputs, tmp_path):
+    """ref_model_name_or_path (beta > 0) was not checked: a wrong path failed the job in round 0."""
+    name = "ref_model_name_or_path"
+    preflight.check_model_ref(LocalConfig(), name, str(inputs["base_model"]))
+    preflight.check_model_ref(LocalConfig(), name, "Qwen/Qwen2.5-0.5B")  # a hub id: the job downloads it
+    with pytest.raises(ConfigError, match=r"^ref_model_name_or_path: /models/ref does not exist \(checked on this"):
+        preflight.check_model_ref(LocalConfig(), name, "/models/ref")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^ref_model_name_or_path: .*/empty has no config.json"):
+        preflight.check_model_ref(LocalConfig(), name, str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match=r"^ref_model_name_or_path: './ref' is neither an absolute path"):
+        preflight.check_model_ref(LocalConfig(), name, "./ref")
+    config = KubernetesConfig(namespace="ml", image="registry/posttrain:1", pvc="shared",
+                              pvc_mount=str(tmp_path / "pvc"))
+    with pytest.raises(ConfigError, match=r"^ref_model_name_or_path: .* is not on the PVC"):
+        preflight.check_model_ref(config, name, str(inputs["base_model"]))
+
+
+def test_an_address_nothing_answers_at_is_named_at_once():
+    """An unreachable dask_address was found at the first round's shards, after the resident job was
+    submitted (which then idled until its round timeout)."""
+    import socket
+    import time
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        preflight.check_reachable("dask_address", f"tcp://127.0.0.1:{listening.getsockname()[1]}")
+        with socket.socket() as closed:  # a port nothing listens on
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as info:
+            preflight.check_reachable("dask_address", f"tcp://127.0.0.1:{port}")
+        assert time.monotonic() - t0 < preflight.CONNECT_TIMEOUT_S + 5
+    assert str(info.value) == (f"dask_address: nothing answers at tcp://127.0.0.1:{port} (Connection refused, "
+                               "waited at most 5 s); start the scheduler or fix the address")
+    assert preflight.check_reachable("dask_address", "ucx://10.0.0.5:8786") is not None  # not TCP: not checked

@@ -16,6 +16,7 @@ from posttrain.pipeline.tasks import blocks
 @pytest.fixture
 def run_inputs(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "prompts.jsonl").write_text("{}\n")
     return {"base_model": str(tmp_path / "model"), "dataset": str(tmp_path / "prompts.jsonl"),
             "shared_dir": str(tmp_path / "shared")}
@@ -49,6 +50,7 @@ def test_kubernetes_inputs_are_checked_in_the_pvc_the_flow_mounts(monkeypatch, t
     must exist there, under pvc_mount; the dataset is read by the flow (staged into shared_dir)."""
     pvc = tmp_path / "pvc"
     (pvc / "models" / "base").mkdir(parents=True)
+    (pvc / "models" / "base" / "config.json").write_text("{}")
     (tmp_path / "prompts.jsonl").write_text("{}\n")
     _cluster(monkeypatch, KubernetesCluster(settings=KubernetesConfig(namespace="ml", image="r/p:1", pvc="shared",
                                                                       pvc_mount=str(pvc))))
@@ -62,3 +64,35 @@ def test_kubernetes_inputs_are_checked_in_the_pvc_the_flow_mounts(monkeypatch, t
     with pytest.raises(ConfigError, match=rf"^shared_dir: {tmp_path}/shared is not on the PVC \(under pvc_mount "
                                           rf"{pvc}\); the pods would not see it"):
         blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default", **{**good, "shared_dir": str(tmp_path / "shared")})
+
+
+def test_an_empty_base_model_folder_fails_naming_it_and_the_missing_file(monkeypatch, run_inputs, tmp_path):
+    _cluster(monkeypatch, LocalCluster())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^base_model: .*/empty has no config.json: not a Hugging Face model folder"):
+        blocks.check_job_inputs.fn("posttrain-local-cluster/default",
+                                   **{**run_inputs, "base_model": str(tmp_path / "empty")})
+
+
+def test_the_reference_model_is_checked_when_the_run_loads_one(monkeypatch, run_inputs):
+    """With beta > 0 the job loads ref_model_name_or_path in round 0; a wrong path failed it there."""
+    from posttrain.pipeline.settings import GrpoSettings
+
+    _cluster(monkeypatch, LocalCluster())
+    base = {"run_name": "grpo", **run_inputs}
+    assert GrpoSettings(**base, trainer={"ref_model_name_or_path": "/models/ref"}).ref_model is None  # beta 0: unused
+    settings = GrpoSettings(**base, trainer={"beta": 0.1, "ref_model_name_or_path": "/models/ref"})
+    assert settings.ref_model == "/models/ref"
+    with pytest.raises(ValueError, match=r"^ref_model_name_or_path: /models/ref does not exist \(checked on this"):
+        blocks.check_job_inputs.fn("posttrain-local-cluster/default", **run_inputs, ref_model=settings.ref_model)
+    blocks.check_job_inputs.fn("posttrain-local-cluster/default", **run_inputs, ref_model=run_inputs["base_model"])
+
+
+def test_a_dask_scheduler_that_does_not_answer_fails_naming_dask_address():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"^dask_address: nothing answers at tcp://127.0.0.1:{port} \("):
+        blocks.check_dask_scheduler.fn(f"tcp://127.0.0.1:{port}")

@@ -1,5 +1,6 @@
 """Checks before anything is submitted: the blocks a run names (looked up inside tasks, never
-passed around), its reward functions, the paths its job reads and the cluster's launcher."""
+passed around), its reward functions, the paths its job reads, the cluster's launcher and the Dask
+scheduler its shards go to."""
 
 from __future__ import annotations
 
@@ -40,20 +41,35 @@ def check_reward_funcs(paths: list[str]) -> None:
 
 
 @task(name="check-job-inputs")
-def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: str) -> None:
+def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: str,
+                     ref_model: str | None = None) -> None:
     """Before anything is submitted, on the flow's machine: the paths the run reads exist (on Slurm
     the flow runs on the login node, which sees the shared storage; on Kubernetes it mounts the
-    PVC where the pods do, and the job's paths must be on it) and the cluster's launcher is on the
-    nodes' PATH (Slurm: a one-task srun probe, once per cluster settings and process; on Kubernetes
-    it is the image's business)."""
+    PVC where the pods do, and the job's paths must be on it, links resolved), the base model and
+    the reference model (``ref_model``: ``ref_model_name_or_path`` when ``beta > 0``; a hub id is
+    the job's to download) are model folders, and the cluster's launcher is on the nodes' PATH
+    (Slurm: a one-task srun probe, once per cluster settings and process; on Kubernetes it is the
+    image's business)."""
     settings = load_block(cluster, "cluster").settings
     # the dataset is read here (the flow stages it into shared_dir); the job reads the other two
-    preflight.check_paths(settings, {"base_model": (base_model, "folder"), "dataset": (dataset, "file"),
+    preflight.check_paths(settings, {"base_model": (base_model, "model folder"), "dataset": (dataset, "file"),
                                      "shared_dir": (shared_dir, "folder to create")},
                           job_reads={"base_model", "shared_dir"})
+    if ref_model is not None:
+        preflight.check_model_ref(settings, "ref_model_name_or_path", ref_model)
     try:
         note = preflight.check_launcher(settings)
     except ConfigError as e:
         raise ValueError(f"cluster {cluster}: {e}") from None
     if note:
         get_run_logger().warning("cluster %s: %s", cluster, note)
+
+
+@task(name="check-dask-scheduler")
+def check_dask_scheduler(address: str) -> None:
+    """Before the training job is submitted: a scheduler answers at ``dask_address`` (a TCP connect,
+    a few seconds at most). Found only at the first round's shards, the resident job would idle
+    until its round timeout."""
+    note = preflight.check_reachable("dask_address", address)
+    if note:
+        get_run_logger().info("%s", note)
