@@ -47,6 +47,14 @@ RATE = "$__rate_interval"  # requests and tokens: the usual rate window
 REPLICA_STATE_CODES = {"READY": ("0", "green"), "LOADING": ("1", "blue"), "ERROR": ("2", "red")}
 
 
+def counted(series: str, window: str) -> str:
+    """How much each counter series of ``series`` grew over ``window``, its first sample included.
+    ``increase()`` takes a series' first sample as its start: a series that appeared within the
+    window at 1 (the first failure of a reason the server does not export at 0 from the start)
+    would count 0. Such a series (no sample ``window`` ago) counts its whole value instead."""
+    return f"(({series} unless {series} offset {window}) or increase({series}[{window}]))"
+
+
 def _query(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = False,
            table_format: bool = False) -> prometheus.Dataquery:
     q = prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DATASOURCE)
@@ -182,6 +190,7 @@ def hotload_panels() -> list:
                   f"sum by (stage) (rate(posttrain_hotload_stage_seconds_count{{{SEL}}}[{WINDOW}]))",
                   "{{stage}} mean")
     total = f"posttrain_hotloads_total{{{SEL}}}"
+    failed = f'posttrain_hotloads_total{{{SEL}, outcome="failed"}}'
     return [
         _timeseries("Hot-load latency by stage (p50, p95)", "Seconds a hot-load spends in each stage (fetch, "
                     "apply, validate, switch, probe), over the $window window "
@@ -190,11 +199,11 @@ def hotload_panels() -> list:
                     "(the histogram's _sum / _count).", "s", mean),
         _timeseries("Hot-loads by outcome", "Hot-loads that finished in each $window window, completed or failed "
                     "(posttrain_hotloads_total).", "short",
-                    _query(f"sum by (outcome) (increase({total}[{WINDOW}]))", "{{outcome}}"), bars=True),
+                    _query(f"sum by (outcome) ({counted(total, WINDOW)})", "{{outcome}}"), bars=True),
         _timeseries("Hot-load failures by reason", "Failed hot-loads in each $window window by the failed "
-                    "operation's condition reason (LayoutMismatch, SnapshotError, ChecksumMismatch, EngineError ...).",
-                    "short", _query(f'sum by (reason) (increase(posttrain_hotloads_total{{{SEL}, outcome="failed"}}'
-                                    f"[{WINDOW}]))", "{{reason}}"), bars=True),
+                    "operation's condition reason (LayoutMismatch, SnapshotError, ChecksumMismatch, EngineError ...); "
+                    "reasons without a failure in the window are left out.", "short",
+                    _query(f"sum by (reason) ({counted(failed, WINDOW)}) > 0", "{{reason}}"), bars=True),
     ]
 
 
@@ -239,7 +248,7 @@ def annotations() -> list:
                .hide(True).icon_color("rgba(0, 211, 255, 1)")
                .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --")))
     hotloads = (dash_b.AnnotationQuery().name("Hot-loads").datasource(DATASOURCE).enable(True).icon_color("purple")
-                .expr(f"sum by (outcome) (increase(posttrain_hotloads_total{{{SEL}}}[2m])) > 0"))
+                .expr(f"sum by (outcome) ({counted(f'posttrain_hotloads_total{{{SEL}}}', '2m')}) > 0"))
     return [builtin, hotloads]
 
 

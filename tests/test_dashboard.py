@@ -152,3 +152,83 @@ def test_the_metric_regex_maps_series_to_families():
     found = METRIC.findall('histogram_quantile(0.5, sum by (le) (rate(posttrain_hotload_stage_seconds_bucket{a="b"}'
                            '[5m]))) / posttrain_hotloads_total')
     assert found == ["posttrain_hotload_stage_seconds_bucket", "posttrain_hotloads_total"]
+
+
+def panel_expr(dashboard: dict, title: str, instance: str, window: str) -> str:
+    """The panel's (first) query as Grafana sends it for one gateway and hot-load window."""
+    expr = next(p for p in panels(dashboard) if p["title"] == title)["targets"][0]["expr"]
+    return expr.replace("$job", ".*").replace("$instance", instance).replace("$window", window)
+
+
+def window_since(start: float, at: float) -> str:
+    return f"{int((at - start) * 1000)}ms"
+
+
+def test_hot_loads_by_outcome_counts_the_first_failure_of_a_reason(dashboard, prometheus):
+    """A failure whose series appears at 1 (a reason the server does not export at 0 from the start) is
+    counted by the dashboard, where increase() alone counts 0 (a series' first sample is its start)."""
+    from prometheus_client import start_http_server
+
+    from posttrain.serve.metrics import HOTLOAD_FAILURE_REASONS, ServeMetrics
+
+    metrics = ServeMetrics()
+    httpd, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        instance = prometheus.scrape(f"http://127.0.0.1:{httpd.server_port}")
+        prometheus.wait_scraped(instance, time.time())  # every series exists, at 0
+        start = time.time()  # the window begins here
+        prometheus.wait_scraped(instance, start)  # a 0 inside the window too
+        assert "OSError" not in HOTLOAD_FAILURE_REASONS
+        metrics.hotload_finished(True, "", {})
+        metrics.hotload_finished(False, "OSError", {})  # its series appears now, at 1
+        prometheus.wait_scraped(instance, time.time())
+        at = time.time()
+        window = window_since(start, at)
+        shown = {s["metric"]["outcome"]: s["value"] for s in
+                 prometheus.query(panel_expr(dashboard, "Hot-loads by outcome", instance, window), at=at)}
+        assert shown["failed"] == 1
+        assert 1 <= shown["completed"] < 2  # increase(), extrapolated to the window's end
+        by_reason = {s["metric"]["reason"]: s["value"] for s in
+                     prometheus.query(panel_expr(dashboard, "Hot-load failures by reason", instance, window), at=at)}
+        assert by_reason == {"OSError": 1}
+        plain = prometheus.query(f'sum(increase(posttrain_hotloads_total{{instance="{instance}", outcome="failed"}}'
+                                 f"[{window}]))", at=at)
+        assert plain[0]["value"] == 0  # what the panel showed with increase() alone
+    finally:
+        prometheus.clear()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_the_first_refused_hot_load_and_the_first_400_are_counted(dashboard, prometheus, make_server, make_client,
+                                                                   chain):
+    """The reference server exports its known failure reasons and statuses at 0 from the start, so the
+    first refused hot-load and the first 400 are an increase from 0 that increase() counts."""
+    from posttrain.inference.contract import HotLoadFailed
+
+    server = make_server()
+    api = Api(server.url)
+    instance = prometheus.scrape(server.url, TOKEN)
+    prometheus.wait_scraped(instance, time.time())
+    start = time.time()
+    prometheus.wait_scraped(instance, start)
+    api.faults({"kind": "fail_hotload", "reason": "injected"})
+    with pytest.raises(HotLoadFailed):
+        make_client(server).hot_load(chain.full)
+    assert api.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "top_k": 3}).status_code == 400
+    prometheus.wait_scraped(instance, time.time())
+    at = time.time()
+    window = window_since(start, at)
+    try:
+        sel = f'instance="{instance}"'
+        failed = prometheus.query(f'sum(increase(posttrain_hotloads_total{{{sel}, outcome="failed"}}[{window}]))',
+                                  at=at)
+        assert 1 <= failed[0]["value"] < 2
+        refused = prometheus.query(f'sum(increase(posttrain_completions_requests_total{{{sel}, status="400"}}'
+                                   f"[{window}]))", at=at)
+        assert 1 <= refused[0]["value"] < 2
+        shown = {s["metric"]["outcome"]: s["value"] for s in
+                 prometheus.query(panel_expr(dashboard, "Hot-loads by outcome", instance, window), at=at)}
+        assert 1 <= shown["failed"] < 2
+    finally:
+        prometheus.clear()

@@ -35,6 +35,18 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 REPLICA_STATES = (REPLICA_READY, REPLICA_LOADING, REPLICA_ERROR)
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Every series below exists from the start, at 0: Prometheus's increase() and rate() see a series' first
+# sample as its start, not as an increase, so a failure whose series appeared at 1 would count 0 on the
+# dashboard. The reasons a hot-load fails with by design (its condition reason: the error's class; the
+# chain's, the store's, the engine's errors, an injected fault; "Unknown" when it names none), and the
+# statuses the server answers a completions request with itself (an engine's own 4xx passes through as
+# is and gets its series when first answered; the dashboard counts a series' first sample too).
+HOTLOAD_FAILURE_REASONS = (
+    "SnapshotError", "ChainError", "FormatError", "MissingBase", "WrongBase", "LayoutMismatch", "ChecksumMismatch",
+    "StorageError", "NotFound", "EngineError", "EngineCallError", "EngineUnavailable", "EngineAdapterError",
+    "InjectedFault", "Unknown",
+)
+COMPLETION_STATUSES = ("200", "400", "404", "408", "413", "500", "501", "502", "503")
 LEDGER_RUNS = ".posttrain/runs/"
 LOOKUP_RETRY_S = 60.0  # a publish time that could not be read is asked for again after this
 _STEP_RE = re.compile(r"^step-(\d+)-")
@@ -123,7 +135,10 @@ class ServeMetrics:
         for name in STAGES:  # every stage's series exists from the start, at 0
             self.stage_seconds.labels(stage=name)
         self.hotloads.labels(outcome="completed", reason="")
-        self.requests.labels(status="200")
+        for reason in HOTLOAD_FAILURE_REASONS:
+            self.hotloads.labels(outcome="failed", reason=reason)
+        for status in COMPLETION_STATUSES:
+            self.requests.labels(status=status)
 
     def watch(self, service: ReplicaSource, engine: Engine, publish_times: PublishTimes | None) -> None:
         """Read the replica and version series from ``service`` and ``engine`` at every scrape."""

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from posttrain.inference.contract import HotLoadFailed
 from posttrain.inference.protocol import TYPE_INCREMENTAL
-from posttrain.serve.metrics import policy_version
+from posttrain.serve.metrics import COMPLETION_STATUSES, HOTLOAD_FAILURE_REASONS, policy_version
 from tests.support.serving import TOKEN, Api
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -140,3 +140,30 @@ def test_two_servers_in_one_process_keep_their_figures_apart(make_server, make_c
     make_client(a).hot_load(chain.full)
     assert value(scrape(a.url), "posttrain_hotloads_total", outcome="completed", reason="") == 1
     assert value(scrape(b.url), "posttrain_hotloads_total", outcome="completed", reason="") == 0
+
+
+def test_every_known_failure_and_status_has_its_series_at_0_before_any_happens(server):
+    """Prometheus's increase() counts no series' first sample: a failure whose series appeared at 1 was
+    0 on the dashboard. Every reason a hot-load fails with by design, and every status the server
+    answers itself, is exported at 0 from the start."""
+    m = scrape(server.url)
+    for reason in HOTLOAD_FAILURE_REASONS:
+        assert value(m, "posttrain_hotloads_total", outcome="failed", reason=reason) == 0, reason
+    for status in COMPLETION_STATUSES:
+        assert value(m, "posttrain_completions_requests_total", status=status) == 0, status
+    assert value(m, "posttrain_hotloads_total", outcome="completed", reason="") == 0
+    assert {"400", "404", "503"} <= set(COMPLETION_STATUSES)
+
+
+def test_the_known_failure_reasons_are_the_classes_a_hot_load_raises():
+    """Each reason is the name of an error class of the load path (a reason is the error's class name),
+    so a renamed class does not leave its series at 0 for ever beside the new name's."""
+    from posttrain.chain import errors as chain_errors
+    from posttrain.chain import fetch
+    from posttrain.serve import adapters, engine, hotload_service
+    from posttrain.storage import errors as storage_errors
+
+    classes = {name for module in (chain_errors, fetch, adapters, engine, hotload_service, storage_errors)
+               for name, obj in vars(module).items() if isinstance(obj, type) and issubclass(obj, Exception)}
+    assert set(HOTLOAD_FAILURE_REASONS) - {"Unknown"} <= classes
+    assert len(set(HOTLOAD_FAILURE_REASONS)) == len(HOTLOAD_FAILURE_REASONS)

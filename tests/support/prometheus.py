@@ -46,9 +46,11 @@ class Prometheus:
     def clear(self) -> None:
         atomic_write(self.folder / "targets.json", "[]")
 
-    def query(self, expr: str) -> list[dict]:
-        """The instant vector (or scalar as one sample) of ``expr``: [{"metric": {...}, "value": float}]."""
-        r = requests.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """The instant vector (or scalar as one sample) of ``expr``, now or ``at`` (a Unix time):
+        [{"metric": {...}, "value": float}]."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        r = requests.get(f"{self.url}/api/v1/query", params=params, timeout=10)
         body = r.json()
         assert r.status_code == 200 and body["status"] == "success", body
         data = body["data"]
