@@ -2,7 +2,9 @@
 better than the champion, and production can serve any earlier version again (docs/promotion.md).
 
 ``promote`` runs alone (its deployment, the CLI, the UI) and as the nightly flow's last step
-(``promote_to``). ``rollback`` makes production serve ``previous`` or any identity of the store."""
+(``promote_to``). ``rollback`` makes production serve ``previous`` or any identity of the store.
+Whichever starts them, they decide, record and switch production under its lease, one at a time
+with ``posttrain rollback`` too (docs/promotion.md, "One writer per deployment")."""
 
 from __future__ import annotations
 

@@ -35,8 +35,9 @@ def latest_snapshot(store: str, run: str) -> str:
 def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings, reward_funcs: list[str] | None,
                          manifest: str, tokenizer: str, store: str, staging: str, production: str) -> Promotion:
     """Evaluate ``candidate`` and production's champion on staging; promote the candidate when the gate
-    accepts. Not retried by Prefect: a record is written at most once per decision, and a retried flow
-    run finds a candidate that is the champion already."""
+    accepts, under production's lease (another promotion or rollback holding it, or one that changed
+    the champion during the evals: it loses, nothing changed). Not retried by Prefect: a retried flow
+    run (the same ``run``) finds its decision in the history and records nothing twice."""
     from transformers import AutoTokenizer
 
     logger = get_run_logger()
@@ -56,7 +57,8 @@ def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings,
 
 @task(name="roll-back", task_run_name="rollback-to-{to}", cache_policy=NO_CACHE)
 def roll_back(to: str, run: str, reason: str | None, store: str, production: str) -> Rollback:
-    """Make production serve ``to`` again and record it; a retry finds its record and records nothing new."""
+    """Record the rollback to ``to`` and make production serve it, under production's lease; a retry of
+    the flow run finds its record anywhere in the history and records nothing new."""
     logger = get_run_logger()
     with ExitStack() as stack:
         opened = stack.enter_context(load_block(store, "store").open())
