@@ -120,3 +120,23 @@ def test_a_failing_shard_on_dask_is_retried_alone(tiny_setup, dask_cluster):
     round_dir = tiny_setup.shared_dir / "runs" / name / "rounds" / "0000"
     assert sorted(p.name for p in round_dir.glob("shard-*.jsonl")) == [f"shard-{s:03d}.jsonl" for s in range(3)]
     assert state.result().rounds[0]["samples"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_an_unreachable_dask_address_fails_the_run_before_its_job_is_submitted(tiny_setup):
+    """It was found at the first round's shards, after the resident job was submitted: the job then
+    idled until its round timeout."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = grpo_settings(tiny_setup, "flows-grpo-dask-down", shards=1,
+                             reward_funcs=["posttrain.rewards:format_reward"]).model_copy(
+        update={"task_runner": "dask", "dask_address": f"tcp://127.0.0.1:{port}"})
+    state, flow_run_id = run_grpo(settings)
+    assert state.is_failed(), state.message
+    assert f"dask_address: nothing answers at tcp://127.0.0.1:{port}" in state.message, state.message
+    name = f"flows-grpo-dask-down-{str(flow_run_id).replace('-', '')[:8]}"
+    assert not list((tiny_setup.shared_dir / "runs" / name).glob("*submit*"))
+    assert not (tiny_setup.jobs_dir.exists() and list(tiny_setup.jobs_dir.glob(f"{name}*")))
