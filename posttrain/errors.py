@@ -34,19 +34,33 @@ def naming(path: str | os.PathLike[str]) -> Iterator[None]:
         raise
 
 
-def describe_validation_error(e: object, names: dict[str, str] | None = None) -> str:
-    """One line for a pydantic ``ValidationError``: the first field at fault and why, and how many more.
-
-    ``names`` maps a field's dotted location to what the user typed (a command-line option)."""
+def _problems(e: object, names: dict[str, str] | None, untitled: str) -> list[str]:
     errors = e.errors(include_url=False, include_input=False, include_context=False)  # type: ignore[attr-defined]
-    if not errors:
+    lines = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err["loc"])
+        shown = (names or {}).get(loc, loc or untitled)
+        msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        lines.append(f"{shown}: {msg}" if shown else msg)
+    return lines
+
+
+def validation_problems(e: object, names: dict[str, str] | None = None) -> list[str]:
+    """One line per problem of a pydantic ``ValidationError``: ``field: why``, the field's dotted
+    location (or what ``names`` maps it to: a command-line option), without pydantic's "Value error, "
+    before the message. A model-level check has no location: its message is the line (it names the
+    fields it compares)."""
+    return _problems(e, names, "")
+
+
+def describe_validation_error(e: object, names: dict[str, str] | None = None) -> str:
+    """One line for a pydantic ``ValidationError``: the first problem (``validation_problems``; a
+    model-level one after the model's name) and how many more."""
+    problems = _problems(e, names, getattr(e, "title", "value"))
+    if not problems:
         return str(e)
-    first = errors[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    shown = (names or {}).get(loc, loc or getattr(e, "title", "value"))
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    msg = first["msg"].removeprefix("Value error, ")
-    return f"{shown}: {msg}{more}"
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{problems[0]}{more}"
 
 
-__all__ = ["TransientError", "describe_os_error", "describe_validation_error", "naming"]
+__all__ = ["TransientError", "describe_os_error", "describe_validation_error", "naming", "validation_problems"]

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from posttrain.chain.errors import ChainError, ChecksumMismatch
 from posttrain.chain.format import PROBE_NAME
 from posttrain.chain.manifest import MANIFEST_NAME, load_manifest
+from posttrain.errors import validation_problems
 from posttrain.fsutil import atomic_write
 
 PROBE_FORMAT = "posttrain-probe-v1"
@@ -109,8 +110,7 @@ def parse_probe(raw: bytes, where: str | os.PathLike[str]) -> Probe:
     try:
         return Probe.model_validate(obj)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or 'probe'}: {err['msg']}" for err in e.errors()[:3])
+        problems = "; ".join(validation_problems(e)[:3])
         raise ValueError(f"{where}: not a valid probe ({problems})") from None
 
 

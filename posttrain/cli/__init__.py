@@ -68,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except Exception as e:
         if _loaded_class("pydantic_core", "ValidationError", e):  # one line, not pydantic's dump
-            from posttrain.errors import describe_validation_error
+            from posttrain.errors import validation_problems
 
-            print(f"posttrain: error: {redact.scrub(f'{e.title}: {describe_validation_error(e)}')}", file=sys.stderr)
+            problems = validation_problems(e)  # a model-level check's message names its fields itself
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            print(f"posttrain: error: {redact.scrub(f'{e.title}: {problems[0]}{more}')}", file=sys.stderr)
             return 2
         if isinstance(e, UsageError) or _loaded_class("posttrain.chain.errors", "ChainError", e) or _loaded_class(
             "posttrain.storage.errors", "StorageError", e

@@ -141,9 +141,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             test_hooks=args.test_hooks, faults=faults,
         )
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                             for err in e.errors(include_url=False, include_input=False))
-        raise UsageError(problems) from None
+        from posttrain.errors import validation_problems
+
+        raise UsageError("; ".join(validation_problems(e))) from None
     from posttrain.serve.server import InferenceServer
 
     try:

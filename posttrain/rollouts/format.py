@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from posttrain.errors import validation_problems
 from posttrain.fsutil import atomic_open
 
 MAX_REPORTED_PROBLEMS = 20
@@ -81,9 +82,7 @@ def load_rollouts(path: str | os.PathLike[str]) -> tuple[list[Rollout], str]:
         except json.JSONDecodeError as e:
             problems.append(f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})")
         except ValidationError as e:
-            for err in e.errors():
-                field = ".".join(str(p) for p in err["loc"])
-                problems.append(f"line {lineno}: {field + ': ' if field else ''}{err['msg']}")
+            problems += [f"line {lineno}: {problem}" for problem in validation_problems(e)]
     if not problems and not rollouts:
         problems.append("no rollouts")
     if problems:

@@ -7,6 +7,7 @@ import re
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from posttrain.errors import validation_problems
 from posttrain.storage.base import Store
 from posttrain.storage.errors import InvalidURI
 from posttrain.storage.local import LocalStore
@@ -62,10 +63,7 @@ def _open_s3(text: str, options: dict[str, Any]) -> Store:
     try:
         config = S3StoreConfig(bucket=parts.netloc, prefix=unquote(parts.path), **options)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
-            for err in e.errors(include_url=False, include_input=False, include_context=False)
-        )
+        problems = "; ".join(validation_problems(e))
         raise InvalidURI(f"store URI {shown!r}: {problems}") from None
     return S3Store(config)
 

@@ -119,6 +119,30 @@ def test_main_tells_error_kinds_apart_without_importing_their_modules_first(kind
     assert len(err) == 1 and err[0].startswith("posttrain: error: ") and expected in err[0], err
 
 
+def test_main_prints_a_model_level_validation_error_once_without_pydantics_prefix(monkeypatch, capsys):
+    """A check of two settings together has no field location: main prints the model's name once and
+    the check's message (it names the settings), not ``Settings: Settings: Value error, ...``."""
+    import posttrain.cli.chain as chain_cli
+    from posttrain.cli import main
+
+    def failing(args):
+        from pydantic import BaseModel, model_validator
+
+        class Settings(BaseModel):
+            low: int = 2
+            high: int = 1
+
+            @model_validator(mode="after")
+            def _order(self):
+                raise ValueError("low (--low) must not exceed high (--high)")
+
+        Settings()
+
+    monkeypatch.setattr(chain_cli, "cmd_verify", failing)
+    assert main(["chain", "verify", "x"]) == 2
+    assert capsys.readouterr().err == "posttrain: error: Settings: low (--low) must not exceed high (--high)\n"
+
+
 def test_chain_apply_from_a_store_takes_the_s3_options_of_the_other_store_commands(tmp_path, monkeypatch):
     """--outage-retry 0: an unreachable endpoint is one line at once (by default the store keeps
     retrying for 120 s, past this helper's 60 s timeout)."""

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN
@@ -224,3 +225,50 @@ def test_a_recorded_version_that_fails_its_checks_is_named_on_stdout(chain, tmp_
                     "but failed its checks and was removed)"), line
     line = _start_message(chain, work)  # nothing recorded now
     assert line == f"posttrain serve: booted clean on {chain.models[0]} (no earlier version recorded in {work})", line
+
+
+def test_a_config_error_of_two_settings_is_one_line_naming_them(capsys, monkeypatch, chain, tmp_path):
+    """A model-level check (two settings together) has no field location: the line is its message,
+    which names the settings, without pydantic's "Value error, " (was ``posttrain: error: : Value error, ...``)."""
+    from posttrain.cli import main
+
+    monkeypatch.setenv("SERVE_TEST_TOKEN", TOKEN)
+    assert main(["serve", "--token-env", "SERVE_TEST_TOKEN", "--model", str(chain.models[0]), "--deployment-id", "d",
+                 "--store", str(chain.store), "--port", "0", "--work-dir", str(tmp_path / "work"),
+                 "--metrics-no-auth"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("posttrain: error: metrics_no_auth (--metrics-no-auth) is for a separate metrics_port"), err
+    assert "Value error" not in err
+
+
+def test_pydantic_problems_name_the_field_or_are_the_model_checks_message():
+    from pydantic import BaseModel, ValidationError, field_validator, model_validator
+
+    from posttrain.errors import describe_validation_error, validation_problems
+
+    class Two(BaseModel):
+        a: int = 0
+        b: int = 0
+
+        @field_validator("a")
+        @classmethod
+        def _a(cls, v: int) -> int:
+            if v < 0:
+                raise ValueError("a must not be negative")
+            return v
+
+        @model_validator(mode="after")
+        def _both(self):
+            if self.a > self.b:
+                raise ValueError("a (--a) must not exceed b (--b)")
+            return self
+
+    with pytest.raises(ValidationError) as info:
+        Two(a=2, b=1)
+    assert validation_problems(info.value) == ["a (--a) must not exceed b (--b)"]
+    assert describe_validation_error(info.value) == "Two: a (--a) must not exceed b (--b)"
+    with pytest.raises(ValidationError) as info:
+        Two(a=-1, b="x")
+    assert validation_problems(info.value, {"a": "--a"}) == [
+        "--a: a must not be negative", "b: Input should be a valid integer, unable to parse string as an integer"]
