@@ -13,27 +13,31 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also save the embedded default blocks: local cluster and this folder as the store")
     p.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
                    help="mark a posttrain flow run Crashed after this many seconds without a heartbeat (a lost "
-                   "worker), so it can be retried (default 90)")
+                   "worker), so it can be retried; more than 30 (the seconds between heartbeats), default 90")
     p.set_defaults(func=cmd_setup)
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
     from posttrain.cli import UsageError
     from posttrain.pipeline.deployments.setup import PrefectUnreachable, create_pools, register_blocks, require_server
+    from posttrain.pipeline.deployments.unresponsive import (
+        AUTOMATION_NAME,
+        DEFAULT_TIMEOUT_S,
+        check_timeout,
+        install_unresponsive_runs_automation,
+    )
 
+    timeout = DEFAULT_TIMEOUT_S if args.heartbeat_timeout is None else args.heartbeat_timeout
+    try:  # before anything is changed on the server
+        check_timeout(timeout)
+    except ValueError as e:
+        raise UsageError(f"--heartbeat-timeout {e}") from None
     try:
         require_server()
     except PrefectUnreachable as e:
         raise UsageError(str(e)) from None
     print("block types:", ", ".join(register_blocks()))
     print("work pools:", ", ".join(create_pools(kubernetes=not args.no_kubernetes_pool)))
-    from posttrain.pipeline.deployments.unresponsive import (
-        AUTOMATION_NAME,
-        DEFAULT_TIMEOUT_S,
-        install_unresponsive_runs_automation,
-    )
-
-    timeout = args.heartbeat_timeout or DEFAULT_TIMEOUT_S
     install_unresponsive_runs_automation(timeout)
     print(f"automation: {AUTOMATION_NAME} (a run without a heartbeat for {timeout} s is marked Crashed)")
     if args.default_store is not None:

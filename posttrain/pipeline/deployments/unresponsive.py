@@ -20,6 +20,17 @@ HEARTBEAT_FREQUENCY_S = 30
 TAG = "posttrain"  # every deployment in prefect.yaml carries it
 
 
+def check_timeout(timeout_s: int) -> int:
+    """``timeout_s``, or a ``ValueError`` saying why it cannot be: it must exceed the heartbeat
+    frequency (a shorter one marks every healthy run Crashed between two heartbeats). There is no
+    "off": the automation is what lets a lost worker's run be retried."""
+    if timeout_s <= HEARTBEAT_FREQUENCY_S:
+        raise ValueError(f"{timeout_s} s: it must be longer than the {HEARTBEAT_FREQUENCY_S} s between a run's "
+                         "heartbeats, or every healthy run would be marked Crashed (the default is "
+                         f"{DEFAULT_TIMEOUT_S} s)")
+    return timeout_s
+
+
 def unresponsive_runs_automation(timeout_s: int = DEFAULT_TIMEOUT_S):
     """The automation (not saved): Crashed after ``timeout_s`` seconds without a heartbeat."""
     from prefect.automations import Automation
@@ -28,9 +39,7 @@ def unresponsive_runs_automation(timeout_s: int = DEFAULT_TIMEOUT_S):
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
-    if timeout_s <= HEARTBEAT_FREQUENCY_S:
-        raise ValueError(f"heartbeat timeout {timeout_s} s: it must be longer than the heartbeat frequency "
-                         f"({HEARTBEAT_FREQUENCY_S} s), or every healthy run would be marked Crashed")
+    check_timeout(timeout_s)
     return Automation(
         name=AUTOMATION_NAME,
         description=(f"Mark a posttrain flow run Crashed when its heartbeats stop for {timeout_s} s (a lost worker "
