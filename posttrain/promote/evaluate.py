@@ -7,27 +7,28 @@ from the snapshot under evaluation (the deployment stamps it): one from another 
 eval (``EvalError``) rather than scoring the wrong model.
 
 An eval's inputs make its **digest** (the eval set's content digest, the sampling settings, n,
-the reward functions and weights, the prompts used); a result is stored in the store under
-``.posttrain/evals/<digest>/<identity>.json`` (create-only), so the champion is evaluated once
-per eval set and reused by every later gate on the same set (docs/promotion.md).
+the reward functions' import paths, their code and weights, the prompts used); a result is stored
+in the store under ``.posttrain/evals/<digest>/<identity>.json`` (create-only), so the champion is
+evaluated once per eval set and reward code and reused by every later gate on the same ones
+(docs/promotion.md). A reward that is not a finite number fails the eval, naming the function: an
+eval with a failure has no result, so nothing of it is stored or reused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator
 
 from posttrain.chain.format import check_identity
 from posttrain.errors import describe_validation_error
 from posttrain.rollouts.client import CompletionsClient
-from posttrain.rollouts.scoring import REWARD_FUNCS_SCHEMA, load_reward_funcs, score
+from posttrain.rollouts.scoring import REWARD_FUNCS_SCHEMA, RewardError, load_reward_funcs, reward_code_digest, score
 from posttrain.rollouts.shard import chat_prompt_ids
 from posttrain.storage import NotFound, PreconditionFailed, Store
 
@@ -54,7 +55,7 @@ class EvalSettings(BaseModel):
                       "from it and i, the same for the candidate and the champion.")
     reward_funcs: list[str] = Field(min_length=1, description="Reward functions by import path (module:function).",
                                     json_schema_extra=REWARD_FUNCS_SCHEMA)
-    reward_weights: list[float] | None = Field(None, description="Weight of each reward function (default 1).")
+    reward_weights: list[FiniteFloat] | None = Field(None, description="Weight of each reward function (default 1).")
 
     @field_validator("reward_weights")
     @classmethod
@@ -73,8 +74,9 @@ class EvalResult(BaseModel):
     format: Literal["posttrain.eval/1"] = FORMAT
     identity: str = Field(description="The snapshot evaluated (every reply named it).")
     digest: str = Field(description="Digest of the eval's inputs (eval set, settings, reward functions).")
-    rewards: dict[str, list[float]] = Field(description="Prompt id -> the rewards of its completions.")
-    mean: float = Field(description="Mean over prompts of the per-prompt mean reward.")
+    # finite only: a stored eval with a NaN (or the null JSON makes of it) does not parse, so it is never reused
+    rewards: dict[str, list[FiniteFloat]] = Field(description="Prompt id -> the rewards of its completions.")
+    mean: FiniteFloat = Field(description="Mean over prompts of the per-prompt mean reward.")
     at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc), description="When it was made.")
     seconds: float = Field(0.0, description="Wall time of the sampling and scoring.")
 
@@ -101,9 +103,12 @@ def eval_rows(rows: list[dict[str, Any]], settings: EvalSettings) -> list[dict[s
 
 
 def eval_digest(dataset_digest: str, settings: EvalSettings, prompts: int) -> str:
-    """The digest of an eval's inputs: equal digests sample and score the same way."""
+    """The digest of an eval's inputs: equal digests sample and score the same way. The reward
+    functions count by their code as well as their import paths (``reward_code_digest``), so an
+    eval stored before their code changed is not compared with one made after."""
     text = json.dumps({"format": FORMAT, "dataset": dataset_digest, "prompts": prompts,
-                       "settings": settings.model_dump(mode="json")}, sort_keys=True)
+                       "settings": settings.model_dump(mode="json"),
+                       "reward_code": reward_code_digest(settings.reward_funcs)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -127,11 +132,11 @@ def evaluate(rows: list[dict[str, Any]], settings: EvalSettings, client: Complet
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in reply]
         completions = [[{"role": "assistant", "content": t}] for t in texts]
         extra = {k: [v] * len(texts) for k, v in row.items() if k != "prompt"}
-        rewards = score(funcs, settings.reward_weights, [messages] * len(texts), completions,
-                        [c.token_ids for c in reply], extra)
-        bad = next((r for r in rewards if not math.isfinite(r)), None)
-        if bad is not None:
-            raise EvalError(f"prompt {prompt_id(row, i)}: a reward function returned {bad}")
+        try:
+            rewards = score(funcs, settings.reward_weights, [messages] * len(texts), completions,
+                            [c.token_ids for c in reply], extra, names=settings.reward_funcs)
+        except RewardError as e:
+            raise EvalError(f"prompt {prompt_id(row, i)}: {e}") from None
         out[prompt_id(row, i)] = [float(r) for r in rewards]
         if progress is not None:
             progress(i + 1, len(rows))

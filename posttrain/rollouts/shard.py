@@ -110,7 +110,7 @@ def run_shard(spec: ShardSpec, settings: RolloutSettings, client: CompletionsCli
         completions = [[{"role": "assistant", "content": t}] for t in texts]
         extra = {k: [v] * len(choices) for k, v in row.items() if k != "prompt"}
         rewards = score(funcs, settings.reward_weights, [messages] * len(choices), completions,
-                        [c.token_ids for c in choices], extra)
+                        [c.token_ids for c in choices], extra, names=settings.reward_funcs)
         group = f"r{spec.round}-s{spec.shard}-p{i}"
         for j, (c, r) in enumerate(zip(choices, rewards, strict=True)):
             if not c.token_ids:

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.lora.adapter import BaseRef, base_fingerprint, write_base_ref
-from posttrain.rollouts.scoring import load_reward_funcs
+from posttrain.rollouts.scoring import finite_rewards, load_reward_funcs
 from posttrain.trainer import distributed, timeline
 from posttrain.trainer.checkpoints import (
     IncompleteCheckpoint,
@@ -65,7 +65,9 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
 
     rows = read_staged_rows(config.dataset_manifest)
     try:
-        reward_funcs = load_reward_funcs(config.reward_funcs)
+        # a NaN reward (a reward service outage) fails the step naming the function: TRL would sum it as 0
+        reward_funcs = [finite_rewards(f, path) for f, path in zip(load_reward_funcs(config.reward_funcs),
+                                                                    config.reward_funcs, strict=True)]
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)

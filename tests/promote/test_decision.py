@@ -1,4 +1,5 @@
-"""The gate's decision rule: paired bootstrap of per-prompt mean rewards, one-sided lower bound."""
+"""The gate's decision rule: a paired sign-flip test of per-prompt mean rewards, inverted into a one-sided
+lower bound; percentile bootstrap intervals of the two means."""
 
 from __future__ import annotations
 
@@ -68,52 +69,78 @@ def test_a_worse_candidate_is_refused_under_both_rules() -> None:
 
 def test_the_same_seed_gives_the_same_decision() -> None:
     rng = np.random.default_rng(5)  # continuous rewards: two seeds' bounds fall on different values
-    cand, champ = ({f"p{i}": rng.uniform(0, 1, 2).tolist() for i in range(12)} for _ in range(2))
+    cand, champ = ({f"p{i}": rng.uniform(0, 1, 2).tolist() for i in range(24)} for _ in range(2))  # random flips
     a = decide(GateConfig(seed=7, samples_per_prompt=2), cand, champ)
     assert decide(GateConfig(seed=7, samples_per_prompt=2), dict(reversed(cand.items())), champ) == a  # any order
     assert decide(GateConfig(seed=8, samples_per_prompt=2), cand, champ).lower_bound != a.lower_bound
 
 
-def test_the_lower_bound_is_the_bootstrap_quantile_computed_directly() -> None:
-    cand, champ = pair(6, k=10, n=3, lift=0.1)
+def test_on_few_prompts_every_flip_is_counted_once_so_the_seed_does_not_matter() -> None:
+    cand, champ = pair(5, k=12, n=2, lift=0.1)  # 2^12 flips <= 16 x B: enumerated exactly
+    bounds = {decide(GateConfig(seed=s, samples_per_prompt=2), cand, champ).lower_bound for s in range(3)}
+    assert len(bounds) == 1
+
+
+def signed_sum_p_value(d: np.ndarray, signs: np.ndarray, m: float) -> float:
+    """The sign-flip test's p-value at shift m, from its definition: the share of sign vectors (rows of
+    ``signs``, the observed all-plus row among them) whose signed sum of (d - m) is at least the observed."""
+    observed = (d - m).sum()
+    return float(np.mean((signs * (d - m)).sum(axis=1) >= observed - 1e-12))
+
+
+def assert_bound_inverts_the_test(lower: float, d: np.ndarray, signs: np.ndarray, alpha: float) -> None:
+    """``lower`` is where the test stops rejecting: rejected just below it, not at it."""
+    assert signed_sum_p_value(d, signs, lower - 1e-9) <= alpha < signed_sum_p_value(d, signs, lower)
+
+
+def test_the_lower_bound_inverts_the_exact_sign_flip_test_of_a_small_example() -> None:
+    cand, champ = pair(6, k=7, n=3, lift=0.15)
+    config = GateConfig(confidence=0.9, samples_per_prompt=3, min_prompts=7)
+    d_i = np.array([np.mean(cand[p]) - np.mean(champ[p]) for p in sorted(cand)])
+    signs = np.array(list(itertools.product([1.0, -1.0], repeat=7)))  # all 128 sign vectors
+    decision = decide(config, cand, champ)
+    assert_bound_inverts_the_test(decision.lower_bound, d_i, signs, 0.1)
+    assert decision.accepted == (signed_sum_p_value(d_i, signs, 0.0) <= 0.1)
+    lo, hi = decision.difference_interval
+    assert_bound_inverts_the_test(lo, d_i, signs, 0.05)
+    assert_bound_inverts_the_test(-hi, -d_i, signs, 0.05)  # the upper end: the same test on -d
+
+
+def test_the_lower_bound_inverts_the_random_sign_flip_test_computed_directly() -> None:
+    cand, champ = pair(16, k=24, n=3, lift=0.1)
     config = GateConfig(seed=11, bootstrap_samples=5000, confidence=0.9, samples_per_prompt=3)
-    ids = sorted(cand)
-    d_i = np.array([np.mean(cand[p]) - np.mean(champ[p]) for p in ids])
-    idx = np.random.default_rng(11).integers(0, len(ids), size=(5000, len(ids)))
-    expected = np.quantile(d_i[idx].mean(axis=1), 0.1)
-    assert decide(config, cand, champ).lower_bound == pytest.approx(expected, abs=1e-12)
+    d_i = np.array([np.mean(cand[p]) - np.mean(champ[p]) for p in sorted(cand)])
+    rng = np.random.default_rng(11)
+    rng.integers(0, 24, size=(5000, 24))  # the bootstrap's indices come first
+    signs = np.where(rng.random((5000, 24)) < 0.5, -1.0, 1.0)
+    signs = np.vstack([np.ones(24), signs])  # the observed signs count too: p = (1 + #) / (B + 1)
+    assert_bound_inverts_the_test(decide(config, cand, champ).lower_bound, d_i, signs, 0.1)
 
 
-def test_the_lower_bound_matches_the_exact_bootstrap_distribution_of_a_tiny_example() -> None:
-    # three prompts, one sample each: the 27 equally likely resamples give the exact distribution
-    cand = {"a": [0.8], "b": [0.4], "c": [0.9]}
-    champ = {"a": [0.5], "b": [0.5], "c": [0.4]}  # differences +0.3, -0.1, +0.5
-    diffs = [0.3, -0.1, 0.5]
-    means = sorted(np.mean(r) for r in itertools.product(diffs, repeat=3))
-    exact = means[int(np.ceil(0.05 * 27)) - 1]  # the 5% quantile: the smallest mean (1/27 < 5%) is excluded
-    assert exact == pytest.approx(0.1 / 3)
-    config = GateConfig(min_prompts=2, samples_per_prompt=1, bootstrap_samples=200_000, seed=3)
-    d = decide(config, cand, champ)
-    assert d.lower_bound == pytest.approx(exact)
-    assert d.accepted  # +0.033 > 0
-    assert not decide(config.model_copy(update={"margin": 0.05}), cand, champ).accepted
+def test_unanimous_prompts_are_accepted_once_there_are_enough_of_them() -> None:
+    # every prompt in the candidate's favour: p = 2^-K, so 6 prompts pass at 95% (1/64) and 5 (1/32) would
+    # not be two-sided; GateConfig refuses min_prompts 5 rather than a gate that can never bound both ends
+    cand = {f"p{i}": [0.9] for i in range(6)}
+    champ = {f"p{i}": [0.4 + 0.01 * i] for i in range(6)}
+    d = decide(GateConfig(min_prompts=6, samples_per_prompt=1), cand, champ)
+    # the 64 flips' values sorted: -inf (none flipped), 0.45, 0.455 (two flipped), 0.46, ...; three of 64 (4.7%)
+    # are <= any m below 0.46, so the test rejects up to there: LB = 0.46, the two-sided 2.5% end 0.45
+    assert d.accepted and d.lower_bound == pytest.approx(0.46) and d.difference_interval[0] == pytest.approx(0.45)
+    assert not decide(GateConfig(min_prompts=6, samples_per_prompt=1, margin=0.46), cand, champ).accepted
+    assert gate.fewest_prompts(0.95) == 6 and gate.fewest_prompts(0.9) == 5 and gate.fewest_prompts(0.99) == 8
 
 
-def test_drawing_the_resamples_in_chunks_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    cand, champ = pair(7, k=9, n=1, lift=0.1)
+@pytest.mark.parametrize("k", [9, 24])  # exact flips, random flips
+def test_drawing_the_resamples_in_chunks_changes_nothing(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    cand, champ = pair(7, k=k, n=1, lift=0.1)
     config = GateConfig(samples_per_prompt=1, bootstrap_samples=2000)
     whole = decide(config, cand, champ)
-    monkeypatch.setattr(gate, "CHUNK_DRAWS", 50)  # 5 resamples a chunk
+    monkeypatch.setattr(gate, "CHUNK_DRAWS", 5 * k)  # 5 resamples a chunk
     assert decide(config, cand, champ) == whole
 
 
-def test_under_no_true_difference_superiority_accepts_about_one_minus_confidence_of_the_time() -> None:
+def test_a_real_difference_is_found_on_30_prompts() -> None:
     config = GateConfig(rule="superiority", margin=0.0, confidence=0.95, bootstrap_samples=2000)
-    accepted = sum(decide(config.model_copy(update={"seed": s}), *pair(1000 + s, k=30, n=4, lift=0.0)).accepted
-                   for s in range(200))
-    # 5% expected; the percentile bootstrap runs a little liberal on 30 prompts. Without the bound
-    # (accepting a higher mean) about half would pass.
-    assert accepted <= 0.09 * 200, accepted
     powered = sum(decide(config.model_copy(update={"seed": s}), *pair(2000 + s, k=30, n=4, lift=0.2)).accepted
                   for s in range(20))
     assert powered >= 18, powered
@@ -167,6 +194,7 @@ def test_a_prompt_without_n_rewards_is_an_error_naming_samples_per_prompt() -> N
     ({"margin": 1.5}, "margin"), ({"margin": -0.01}, "margin"), ({"margin": float("nan")}, "margin"),
     ({"confidence": 0.5}, "confidence"), ({"confidence": 1.0}, "confidence"), ({"confidence": 0.3}, "confidence"),
     ({"bootstrap_samples": 10}, "bootstrap_samples"), ({"min_prompts": 1}, "min_prompts"),
+    ({"confidence": float("nan")}, "confidence"), ({"margin": float("inf")}, "margin"),
     ({"samples_per_prompt": 0}, "samples_per_prompt"), ({"rule": "better"}, "rule"), ({"margins": 0.1}, "margins"),
 ])
 def test_a_setting_out_of_range_is_a_one_line_error_naming_it(fields: dict, setting: str) -> None:
@@ -179,7 +207,16 @@ def test_a_confidence_the_bootstrap_cannot_resolve_names_bootstrap_samples() -> 
     with pytest.raises(ValidationError, match="raise bootstrap_samples to at least 10000") as e:
         GateConfig(confidence=0.999, bootstrap_samples=5000)
     one_line(describe_validation_error(e.value))
-    GateConfig(confidence=0.999, bootstrap_samples=10_000)
+    GateConfig(confidence=0.999, bootstrap_samples=10_000, min_prompts=11)
+
+
+def test_a_min_prompts_that_could_never_accept_is_refused_naming_the_fewest() -> None:
+    with pytest.raises(ValidationError, match="raise min_prompts to at least 6") as e:
+        GateConfig(min_prompts=5)
+    one_line(describe_validation_error(e.value))
+    with pytest.raises(ValidationError, match="raise min_prompts to at least 8"):
+        GateConfig(min_prompts=7, confidence=0.99)
+    GateConfig(min_prompts=6)
 
 
 def test_a_side_that_could_not_be_evaluated_is_refused() -> None:

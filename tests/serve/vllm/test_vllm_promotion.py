@@ -38,7 +38,7 @@ from tests.support.vllm import assert_matches, perturbed, require_vllm, served_g
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 require_vllm()
 
-PROMPTS = 4  # eval prompts, and the gate's min_prompts
+PROMPTS = 6  # eval prompts, and the gate's min_prompts (the fewest with which the gate can accept at 95%)
 MAX_TOKENS = 5  # per eval completion
 SCALE = 0.2  # noise per weight between versions: every greedy answer differs from its first token
 
