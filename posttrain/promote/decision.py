@@ -78,7 +78,7 @@ class GateConfig(BaseModel):
                        "than margin; non-inferiority: it must not be worse than the champion minus margin.")
     margin: float = Field(0.0, ge=0.0, le=MAX_MARGIN, allow_inf_nan=False,
                           description=f"Margin in reward units, 0 to {MAX_MARGIN:g} (see rule).")
-    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Level of the one-sided lower confidence "
+    confidence: float = Field(0.95, gt=0.5, lt=1.0, allow_inf_nan=False, description="Level of the one-sided lower confidence "
                               "bound of the mean difference, in (0.5, 1).")
     bootstrap_samples: int = Field(10_000, ge=1_000, le=1_000_000, description="Random sign flips of the test, "
                                    "and bootstrap resamples of the prompts for the intervals of the means.")

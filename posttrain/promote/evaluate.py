@@ -49,8 +49,8 @@ class EvalSettings(BaseModel):
     max_prompts: int | None = Field(None, ge=1, description="Evaluate on the first N prompts of the eval set "
                                     "(None: all of them).")
     max_tokens: int = Field(32, ge=1, description="Most tokens per eval completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the eval.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the eval.")
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature of the eval.")
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="Nucleus sampling threshold of the eval.")
     seed: int = Field(0, ge=0, description="Seed of the eval's sampling: prompt i is sampled with a seed derived "
                       "from it and i, the same for the candidate and the champion.")
     reward_funcs: list[str] = Field(min_length=1, description="Reward functions by import path (module:function).",
