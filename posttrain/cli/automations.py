@@ -13,7 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "install", help="create the automations of FILE, notifying the block --block names",
         description="Fill every action's block_document_id with the id of --block (a notification block: "
         "Slack, Teams, custom webhook, ...), then create the automations on the server of PREFECT_API_URL, "
-        "replacing those of the same name. A placeholder id left in FILE without --block is refused.",
+        "replacing those of the same name (only once every one was accepted). Without --block, every id in FILE "
+        "must be a notification block of that server; a placeholder is refused.",
     )
     install.add_argument("file", help="automation YAML, e.g. automations/hotload-failed.yaml")
     install.add_argument("--block", metavar="TYPE/NAME",
@@ -25,6 +26,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     from posttrain.cli import UsageError
     from posttrain.pipeline.deployments.automations import (
         AutomationFileError,
+        check_block_ids,
         fill_block_ids,
         install,
         notification_block_id,
@@ -39,6 +41,8 @@ def cmd_install(args: argparse.Namespace) -> int:
         require_server()
         if args.block is not None:
             automations = fill_block_ids(args.file, automations, notification_block_id(args.block))
+        else:  # ids written in the file: each must be a notification block of this server
+            check_block_ids(args.file, automations)
         for name, automation_id, replaced in install(args.file, automations):
             print(f"installed automation {name!r} ({automation_id})" + (f", replacing {replaced}" if replaced else ""))
     except (AutomationFileError, PrefectUnreachable) as e:

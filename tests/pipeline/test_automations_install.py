@@ -97,3 +97,66 @@ def test_install_fills_the_notification_block_and_replaces_an_earlier_install(pr
         with get_client(sync_client=True) as client:
             for left in client.read_automations_by_name(NAME):
                 client.delete_automation(left.id)
+
+
+@pytest.fixture
+def webhook_block(prefect_api):
+    """A notification block on the server (its id), and the automation's name cleaned up after."""
+    from prefect import get_client
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    block_id = CustomWebhookNotificationBlock(name="posttrain-install-test", url="http://127.0.0.1:9/notify").save(
+        "posttrain-install-test", overwrite=True)
+    try:
+        yield str(block_id)
+    finally:
+        with get_client(sync_client=True) as client:
+            for left in client.read_automations_by_name(NAME):
+                client.delete_automation(left.id)
+
+
+def _installed():
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_automations_by_name(NAME)
+
+
+def test_an_id_in_the_file_must_be_a_notification_block_of_the_server(webhook_block, tmp_path):
+    """Without --block, a UUID written in the file that names no block was installed as it was (Prefect
+    accepts any UUID): an automation that notifies no one."""
+    import uuid
+
+    spec = yaml.safe_load(AUTOMATION.read_text())
+    made_up = str(uuid.uuid4())
+    spec["actions"][0]["block_document_id"] = made_up
+    path = tmp_path / "made-up.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    run = posttrain("automations", "install", str(path))
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert f"actions[0].block_document_id {made_up}: no block has this id on this server" in run.stderr
+    assert "--block" in run.stderr and _installed() == []
+    spec["actions"][0]["block_document_id"] = webhook_block  # a real one is installed as it is
+    path.write_text(yaml.safe_dump(spec))
+    run = posttrain("automations", "install", str(path))
+    assert run.returncode == 0, run.stderr
+    (automation,) = _installed()
+    assert str(automation.actions[0].block_document_id) == webhook_block and automation.enabled
+
+
+def test_a_reinstall_the_server_refuses_leaves_the_working_automation(webhook_block, tmp_path):
+    """The server refuses a notification body that is not a valid template (the client does not check
+    it): the installed automation was deleted first, then the create raised (24-line traceback)."""
+    run = posttrain("automations", "install", str(AUTOMATION), "--block", "custom-webhook/posttrain-install-test")
+    assert run.returncode == 0, run.stderr
+    (working,) = _installed()
+    spec = yaml.safe_load(AUTOMATION.read_text())
+    spec["actions"][0]["body"] = "{{ event.payload.error"  # an unclosed tag
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    run = posttrain("automations", "install", str(path), "--block", "custom-webhook/posttrain-install-test")
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert f"{path}: {NAME}: the Prefect server refused it (HTTP 422" in run.stderr and "body" in run.stderr
+    assert "nothing was changed" in run.stderr
+    (still,) = _installed()
+    assert still.id == working.id and still.enabled and still.actions[0].body == working.actions[0].body
