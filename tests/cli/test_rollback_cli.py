@@ -211,3 +211,19 @@ def test_history_prints_the_records_the_champion_and_what_previous_restores(site
     assert empty.returncode == 0 and "has no promotion history" in empty.stdout
     bad = posttrain("history", "--store", str(site.root), "--deployment", "a/b")
     assert bad.returncode == 2 and bad.stderr.splitlines()[0].startswith("posttrain: error: --deployment: ")
+
+
+def test_a_deployment_held_by_another_operation_makes_the_rollback_lose_in_one_line(site, chain):
+    """Another promotion or rollback holds the deployment's lease: exit 1, who holds it and until
+    when, nothing hot-loaded or recorded; once it is released the same command goes through."""
+    from posttrain.promote.lease import holding
+
+    before = site.state()
+    with holding(site.store, DEPLOYMENT, "promotion", run="nightly-42"):
+        proc = site.rollback("--to", "previous")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"posttrain: error: rollback of {DEPLOYMENT} to {chain.d1}: deployment {DEPLOYMENT} is "
+                           "held by promotion nightly-42 (pid ") and line.endswith("s); nothing was changed"), line
+    assert " until 20" in line and site.state() == before
+    assert site.rollback("--to", "previous").returncode == 0 and site.served() == {chain.d1}
