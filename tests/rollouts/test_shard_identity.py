@@ -9,6 +9,7 @@ import pytest
 from posttrain.pipeline.tasks.retry import is_transient
 from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
 from posttrain.rollouts.format import load_rollouts
+from posttrain.rollouts.scoring import RewardError
 from posttrain.rollouts.shard import RolloutSettings, ShardSpec, SnapshotMismatch, run_shard
 from tests.support.serving import TOKEN
 
@@ -24,6 +25,11 @@ def hot_load_on_first_reward(completions: list, **kwargs) -> list[float]:
     while _ON_FIRST_REWARD:
         _ON_FIRST_REWARD.pop()()
     return [0.0] * len(completions)
+
+
+def nan_reward(completions: list, **kwargs) -> list[float]:
+    """What a reward service that is down answers through a client that maps failures to NaN."""
+    return [float("nan")] * len(completions)
 
 
 def _settings(reward: str = "posttrain.rewards:correctness_reward") -> RolloutSettings:
@@ -96,6 +102,15 @@ def test_a_version_hot_loaded_mid_shard_fails_the_shard(chain, served, make_clie
     assert (info.value.shard, info.value.expected, info.value.served) == (2, chain.full, chain.d1)
     assert "hot-loaded into the deployment mid-round" in str(info.value)
     assert not spec.out_path.exists()  # no rollout of the shard is kept, not even the first prompt's
+
+
+def test_a_nan_reward_fails_the_shard_naming_the_function_and_keeps_nothing(chain, served, tokenizer, tmp_path):
+    _, client = served
+    spec = _spec(tmp_path, chain.full)
+    with pytest.raises(RewardError) as info:  # it used to be summed as 0 and trained on
+        run_shard(spec, _settings("tests.rollouts.test_shard_identity:nan_reward"), client, tokenizer)
+    assert str(info.value).startswith("reward function tests.rollouts.test_shard_identity:nan_reward returned nan")
+    assert not spec.out_path.exists()
 
 
 def test_without_an_expected_identity_the_reply_s_is_recorded(chain, served, tokenizer, tmp_path):
