@@ -116,3 +116,18 @@ def test_the_nightly_flows_last_step_promotes_what_staging_serves_with_the_runs_
     with open_store(str(store_dir)) as store:
         (record,) = History(store, "", "prod").records()
     assert (record.kind, record.identity, record.run) == ("promotion", chain.full, "nightly-promote")
+
+
+@pytest.mark.timeout(180)
+def test_a_blank_reason_fails_the_rollback_flow_before_production_is_touched(site, chain):
+    """Issue 33, item 2: checked with the other parameters, one line naming it; nothing hot-loaded or recorded."""
+    from posttrain.pipeline.flows.promote import rollback as rollback_flow
+
+    servers, store_dir = site
+    state = rollback_flow(production=PROD, store=STORE, to=chain.d2, reason="   ", return_state=True)
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert message.startswith("reason: ") and "is empty" in message and "\n" not in message, message
+    assert Api(servers["prod"].url).greedy() == chain.greedy[0]  # the boot weights: never hot-loaded
+    with open_store(str(store_dir)) as store:
+        assert History(store, "", "prod").records() == []
