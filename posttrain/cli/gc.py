@@ -6,7 +6,8 @@ then deletes it newest first with a progress bar; ``--dry-run`` stops after the 
 both, a count or age not above 0, a store that is not there, a protected identity the store does
 not have, a promotion history record that cannot be read) is one line on stderr, exit status 2,
 with nothing deleted. Runs that are being
-published are skipped and named; the exit status is still 0.
+published, and every run while a promotion or rollback holds a production deployment's lease
+(docs/promotion.md), are skipped and named; the exit status is still 0.
 """
 
 from __future__ import annotations
