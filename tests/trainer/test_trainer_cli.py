@@ -46,7 +46,7 @@ def test_watch_command_once(tmp_path, capsys, make_checkpoint):
     assert [json.loads(line)["step"] for line in capsys.readouterr().out.splitlines()] == [1, 3]
     make_checkpoint(out, 5)
     (out / "done").touch()
-    assert main(["watch", str(out), "--cursor", str(cursor), "--done-file", str(out / "done"), "--poll", "0.01"]) == 0
+    assert main(["watch", str(out), "--cursor", str(cursor), "--done-file", str(out / "done"), "--poll", "0.05"]) == 0
     assert [json.loads(line)["step"] for line in capsys.readouterr().out.splitlines()] == [5]
 
 
