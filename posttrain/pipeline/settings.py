@@ -299,8 +299,9 @@ class GrpoSettings(RunSettings):
         "sampling waits (drops nothing) at the bound, and the trainer never trains on older rollouts. 0: "
         "synchronous rounds, each sampled from the policy the round before trained. resident only. docs/trainer.md.")
     round_timeout_s: float = Field(
-        1800.0, gt=0, description="resident: seconds the trainer waits for a round's rollouts before its job ends "
-        "(a flow run that failed has this long to be retried and find its job waiting).")
+        1800.0, gt=0, description="resident: seconds the trainer waits for a round's rollouts after the flow run's "
+        "last heartbeat before its job ends (the flow beats while it works on a round, however slow; a flow run "
+        "that failed has this long to be retried and find its job waiting).")
     watch_poll_s: float = Field(2.0, ge=MIN_POLL_S, allow_inf_nan=False, description="resident: seconds between "
                                 "looks for the trainer's checkpoints (at least 0.05).")
 
