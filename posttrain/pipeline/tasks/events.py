@@ -31,9 +31,11 @@ records no second event (the server ignores an event id it has).
 
 from __future__ import annotations
 
+import contextvars
 import uuid
 from typing import Any
 
+from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import emit_event
 
 from posttrain import redact
@@ -75,6 +77,19 @@ def _once(*parts: object) -> uuid.UUID:
 
 def _emit(event: str, resource: dict[str, str], related: list[dict[str, str]], payload: dict[str, Any],
           id: uuid.UUID | None = None) -> None:
+    # Prefect's events worker attaches the run's related resources in its own thread, with only the
+    # context variables that are *set* where the event was emitted laid over its own context, which
+    # is the one it was started in. Started inside a task run (an earlier run's submit-…), that task
+    # run stayed in it, and every later event emitted outside a task (a GRPO run's round.finished,
+    # job.completed, run.goodput) named it as related. Both run contexts are set here, None outside
+    # a run, so the worker sees exactly this event's.
+    contextvars.copy_context().run(_emit_here, event, resource, related, payload, id)
+
+
+def _emit_here(event: str, resource: dict[str, str], related: list[dict[str, str]], payload: dict[str, Any],
+               id: uuid.UUID | None) -> None:
+    for run_context in (FlowRunContext, TaskRunContext):
+        run_context.__var__.set(run_context.get())
     emit_event(event, resource=resource, related=related, payload=payload, id=id)
 
 
@@ -146,7 +161,9 @@ def job_event(state: str, job: JobRecord, reason: str | None = None,
         payload["reason"] = redact.scrub(reason)[:ERROR_MAX]
     event = f"posttrain.job.{state}"
     _emit(event, job_resource(job), [run_resource(run_name), *(related or [])], payload,
-          id=_once(event, run_name, job.backend, job.job_id))
+          # the submission's own run id too: a cluster's job ids start again (a Slurm whose state
+          # was reset), and the server would keep an earlier job's event under the same id
+          id=_once(event, run_name, job.backend, job.job_id, job.run_id))
 
 
 def promotion_decided(run: str, production: str, promotion) -> None:
