@@ -20,8 +20,8 @@ from posttrain.storage import LocalStore
 from posttrain.storage.lease import read_lease
 from tests.promote.test_one_writer import Site
 from tests.support.chains import snapshots_in
-from tests.support.deployment_race import (gc_worker, promote_worker, result, rollback_worker, seed_evals, served,
-                                           start)
+from tests.support.deployment_race import (gc_worker, promote_worker, release_together, result, rollback_worker,
+                                           seed_evals, served, start)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,27 +68,29 @@ def test_a_rollback_recorded_while_the_gate_evaluates_makes_the_promotion_lose(s
 @pytest.mark.parametrize("delay", [0.0, 1.5])
 def test_promote_and_rollback_at_once(site, tmp_path, delay):
     """Both start together; with a slow hot-load the first holds the deployment while the other asks."""
-    seed_evals(site.store, {site.b: 0.1, site.c: 0.9})
-    out_p, out_r = tmp_path / "p.json", tmp_path / "r.json"
+    seed_evals(site.store, {site.a: 0.1, site.b: 0.1, site.c: 0.9})
+    out_p, out_r, go = tmp_path / "p.json", tmp_path / "r.json", tmp_path / "go"
     p = start(promote_worker, str(site.store.root), site.c, "nightly-8", str(site.file), str(out_p),
-              loader={"delay": delay})
+              loader={"delay": delay}, go=str(go))
     r = start(rollback_worker, str(site.store.root), "previous", "rollback-2", str(site.file), str(out_r),
-              loader={"delay": delay})
-    outcomes = {"promotion": result(out_p, p), "rollback": result(out_r, r)}
-    for outcome in outcomes.values():
+              loader={"delay": delay}, go=str(go))
+    release_together(go, [out_p, out_r])
+    outcomes = [result(out_p, p), result(out_r, r)]
+    for outcome in outcomes:
         if not outcome["ok"]:
             lost_in_one_line(outcome)
-    kinds = [r.kind for r in site.history.records()][2:]
-    assert sorted(kinds) == sorted(k for k, o in outcomes.items() if o["ok"])  # a loser recorded nothing
+    new = [r.seq for r in site.history.records()][2:]
+    assert sorted(o["seq"] for o in outcomes if o["ok"]) == new  # a loser recorded nothing
     assert served(site.file) == site.history.champion()
 
 
 def test_promote_against_promote(site, tmp_path):
     """Two promotions decided against the same champion: one is recorded and served, the other loses."""
     seed_evals(site.store, {site.b: 0.1, site.c: 0.9, site.old: 0.8})
-    outs = [tmp_path / "p1.json", tmp_path / "p2.json"]
+    outs, go = [tmp_path / "p1.json", tmp_path / "p2.json"], tmp_path / "go"
     procs = [start(promote_worker, str(site.store.root), candidate, f"nightly-{i}", str(site.file), str(out),
-                   loader={"delay": 1.0}) for i, (candidate, out) in enumerate(zip((site.c, site.old), outs))]
+                   loader={"delay": 1.0}, go=str(go)) for i, (candidate, out) in enumerate(zip((site.c, site.old), outs))]
+    release_together(go, outs)
     outcomes = [result(out, proc) for out, proc in zip(outs, procs)]
     assert sorted(o["ok"] for o in outcomes) == [False, True], outcomes
     winner = (site.c, site.old)[[o["ok"] for o in outcomes].index(True)]

@@ -106,7 +106,12 @@ def seed_evals(store, scores: dict[str, float], dataset_digest: str = "d" * 64) 
         EvalStore(store).put(EvalResult(identity=identity, digest=digest, rewards=rewards, mean=mean))
 
 
-def _outcome(out: Path, fn) -> None:  # noqa: ANN001
+def _outcome(out: Path, fn, go: str | None = None) -> None:  # noqa: ANN001
+    """Run ``fn`` (once the file ``go`` exists, when given: workers imported, they start together)."""
+    if go is not None:
+        out.with_suffix(".ready").touch()
+        while not Path(go).exists():
+            time.sleep(0.005)
     try:
         result = fn()
         data = {"ok": True, **result}
@@ -122,10 +127,10 @@ def _production(name: str, served_file: str, loader: dict):  # noqa: ANN202
 
 
 def promote_worker(root: str, candidate: str, run: str, served_file: str, out: str, loader: dict | None = None,
-                   store_kw: dict | None = None, lease_ttl: float = 120.0) -> None:
+                   store_kw: dict | None = None, lease_ttl: float = 120.0, go: str | None = None) -> None:
     from posttrain.promote.promoter import Deployment, promote
 
-    def go() -> dict:
+    def run_it() -> dict:
         settings, gate = settings_and_gate()
         store = SlowStore(Path(root), **(store_kw or {}))
         staging = Deployment("staging", FileLoader(Path(served_file).with_name("staging")))
@@ -134,19 +139,19 @@ def promote_worker(root: str, candidate: str, run: str, served_file: str, out: s
                        production=_production("prod", served_file, loader or {}), lease_ttl=lease_ttl, gc_wait=60)
         return {"promoted": done.promoted, "seq": done.record.seq if done.record else None}
 
-    _outcome(Path(out), go)
+    _outcome(Path(out), run_it, go)
 
 
 def rollback_worker(root: str, to: str, run: str | None, served_file: str, out: str, loader: dict | None = None,
-                    lease_ttl: float = 120.0) -> None:
+                    lease_ttl: float = 120.0, go: str | None = None) -> None:
     from posttrain.promote.promoter import rollback
 
-    def go() -> dict:
+    def run_it() -> dict:
         done = rollback(store=LocalStore(Path(root)), production=_production("prod", served_file, loader or {}),
                         to=to, run=run, lease_ttl=lease_ttl, gc_wait=60)
         return {"identity": done.record.identity, "seq": done.record.seq, "again": done.recorded_before}
 
-    _outcome(Path(out), go)
+    _outcome(Path(out), run_it, go)
 
 
 def gc_worker(root: str, out: str, keep_runs: int, plan_pause: float = 0.0, delete_pause: float = 0.0) -> None:
@@ -166,6 +171,15 @@ def start(target, *args, **kw) -> multiprocessing.Process:  # noqa: ANN001
     p = CTX.Process(target=target, args=args, kwargs=kw)
     p.start()
     return p
+
+
+def release_together(go: Path, outs: list[Path], timeout: float = 120.0) -> None:
+    """Once every worker writing to ``outs`` has started and imported, let them all go at once."""
+    end = time.monotonic() + timeout
+    while not all(out.with_suffix(".ready").exists() for out in outs):
+        assert time.monotonic() < end, "the workers did not start"
+        time.sleep(0.01)
+    go.touch()
 
 
 def result(out: Path, proc: multiprocessing.Process, timeout: float = 120.0) -> dict:
