@@ -8,7 +8,10 @@ which sees the cluster's shared storage; locally it is where the job runs; on Ku
 machine running the flow, which mounts the job's PersistentVolumeClaim at ``pvc_mount`` as the
 pods do (it writes the run folder the pods read: docs/site-setup.md), so a path must also be
 under ``pvc_mount``, where it points too (a link on the PVC to a path off it is not seen by the
-pods). A model folder (the base model, the reference model) must hold a ``config.json``. The
+pods). On Slurm a path the job reads or writes must likewise be under the cluster's ``shared_dir``
+or one of its ``mounts``, resolved too: the job's container binds only those, and the job's
+settings refuse any other path, which without this check failed the run at submit, after staging.
+A model folder (the base model, the reference model) must hold a ``config.json``. The
 launcher of a Kubernetes job lives in the image: left to the job.
 """
 
@@ -55,15 +58,18 @@ def _where(config: ClusterConfig) -> str:
 
 
 def check_paths(config: ClusterConfig, paths: Mapping[str, tuple[str, PathKind]],
-                job_reads: Collection[str] | None = None) -> None:
+                job_reads: Collection[str] | None = None, block: str | None = None) -> None:
     """``ConfigError`` naming the first of ``paths`` (name -> (path, kind)) that is not there.
-    A "folder to create" may be missing if its parent folder exists (the run creates it). On
-    Kubernetes a path the job reads (``job_reads``, names of ``paths``; default all) outside
-    ``pvc_mount`` is refused too: the pods would not see it."""
+    A "folder to create" may be missing if its parent folder exists (the run creates it). A path
+    the job reads or writes (``job_reads``, names of ``paths``; default all) off the job's storage
+    is refused too: on Kubernetes outside ``pvc_mount``, on Slurm outside ``shared_dir`` and
+    ``mounts`` (the message names them, and ``block``, the cluster block they are fields of)."""
     for name, (path, kind) in paths.items():
         read_by_job = job_reads is None or name in job_reads
         if isinstance(config, KubernetesConfig) and read_by_job:
             _check_on_pvc(config, name, path)
+        if isinstance(config, SlurmConfig) and read_by_job:
+            _check_on_shared_storage(config, name, path, block)
         problem = _path_problem(config, path, kind)
         if problem:
             raise ConfigError(name, f"{path} {problem} ({_where(config)})")
@@ -79,6 +85,35 @@ def _check_on_pvc(config: KubernetesConfig, name: str, path: str) -> None:
     if not checks.is_under(real, [mount]):
         raise ConfigError(name, f"{path} resolves to {real}, which is not on the PVC (under pvc_mount "
                                 f"{config.pvc_mount}): a link points off it; the pods would not see it")
+
+
+def _check_on_shared_storage(config: SlurmConfig, name: str, path: str, block: str | None) -> None:
+    """The path is under shared_dir or a mount, and so is what it resolves to (on the login node,
+    through ssh_host when set): the job's settings refuse any other path at submit, and a container
+    binds only those."""
+    mounts = f"mounts [{', '.join(config.mounts)}]" if config.mounts else "mounts (none)"
+    of = f"of block {block}" if block else "of the cluster settings"
+    fields = f"shared_dir {config.shared_dir} nor {mounts} {of}"
+    fix = "move it there, or add its folder to mounts"
+    if not checks.is_under(path, config.shared_roots):
+        raise ConfigError(name, f"{path} is not on the cluster's shared storage (under neither {fields}); "
+                                f"the nodes would not see it: {fix}")
+    real, *roots = _resolved(config, [path, *config.shared_roots])
+    if not checks.is_under(real, roots):
+        raise ConfigError(name, f"{path} resolves to {real}, which is not on the cluster's shared storage (under "
+                                f"neither {fields}): a link points off it; the nodes would not see it: {fix}")
+
+
+def _resolved(config: SlurmConfig, paths: list[str]) -> list[str]:
+    """The paths with their links resolved where the submitter runs (a missing tail kept as is).
+    Through ssh_host: GNU ``realpath -m``; a login node without it leaves the paths as written."""
+    if not config.ssh_host:
+        return [os.path.realpath(p) for p in paths]
+    from posttrain.cluster.shell import SshShell
+
+    result = SshShell(config.ssh_host).run(["realpath", "-m", "--", *paths], check=False, timeout=60)
+    lines = result.stdout.decode(errors="replace").splitlines()
+    return lines if result.returncode == 0 and len(lines) == len(paths) else paths
 
 
 def _path_problem(config: ClusterConfig, path: str, kind: PathKind) -> str | None:
@@ -209,11 +244,11 @@ def _probe_slurm(config: SlurmConfig, program: str) -> tuple[str | None, str]:
                               f"(exit {result.returncode}: {reason})")
 
 
-def check_model_ref(config: ClusterConfig, name: str, value: str) -> None:
+def check_model_ref(config: ClusterConfig, name: str, value: str, block: str | None = None) -> None:
     """A model the job loads by ``from_pretrained``: an absolute path is checked as a model folder
     (``check_paths``); anything else must be a Hugging Face hub id, which the job downloads."""
     if value.startswith("/"):
-        check_paths(config, {name: (value, "model folder")})
+        check_paths(config, {name: (value, "model folder")}, block=block)
         return
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,9 @@ def _paths(inputs: dict[str, Path], **change: str) -> dict:
     return {k: (change.get(k, str(v)), kinds[k]) for k, v in inputs.items()}
 
 
-CONFIGS = [LocalConfig(), SlurmConfig(shared_dir="/mnt/shared")]
+# the Slurm cluster's shared storage holds every path these tests use (the rule: the tests below)
+CONFIGS = [LocalConfig(), SlurmConfig(shared_dir="/mnt/shared", mounts=[os.path.realpath(tempfile.gettempdir()),
+                                                                        "/models", "/data", "/mnt"])]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["local", "slurm"])
@@ -67,6 +70,45 @@ def test_kubernetes_paths_are_checked_in_the_pvc_this_machine_mounts(inputs, tmp
         preflight.check_paths(config, elsewhere)
     with pytest.raises(ConfigError, match=r"^dataset: /elsewhere/prompts.jsonl does not exist"):
         preflight.check_paths(config, elsewhere, job_reads={"base_model", "shared_dir"})  # read here, not by pods
+
+
+def test_slurm_paths_must_be_on_the_clusters_shared_storage(inputs, tmp_path):
+    """The job's settings refuse a path outside shared_dir and mounts at submit (after staging,
+    as a pydantic error naming trainer.model_name_or_path): checked here first, as on Kubernetes."""
+    config = SlurmConfig(shared_dir=str(tmp_path / "shared"), mounts=["/opt/site"])
+    with pytest.raises(ConfigError) as info:
+        preflight.check_paths(config, _paths(inputs), job_reads={"base_model", "shared_dir"},
+                              block="posttrain-slurm-cluster/sunk")
+    assert str(info.value) == (f"base_model: {inputs['base_model']} is not on the cluster's shared storage (under "
+                               f"neither shared_dir {tmp_path}/shared nor mounts [/opt/site] of block "
+                               "posttrain-slurm-cluster/sunk); the nodes would not see it: move it there, or add "
+                               "its folder to mounts")
+    # the dataset is read by the flow, which stages it into shared_dir: it may be anywhere
+    on_shared = _paths(inputs, base_model=str(tmp_path / "shared" / "model"), shared_dir=str(tmp_path / "shared" / "x"))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "model").symlink_to(inputs["base_model"])
+    with pytest.raises(ConfigError, match=rf"^base_model: {tmp_path}/shared/model resolves to {inputs['base_model']}, "
+                                          r"which is not on the cluster's shared storage \(under neither shared_dir "
+                                          r".* of the cluster settings\): a link points off it"):
+        preflight.check_paths(config, on_shared, job_reads={"base_model", "shared_dir"})
+    preflight.check_paths(config.model_copy(update={"mounts": [str(tmp_path)]}), on_shared,
+                          job_reads={"base_model", "shared_dir"})
+
+
+def test_slurm_links_are_resolved_on_the_login_node_through_ssh_host(inputs, tmp_path, fake_ssh, monkeypatch):
+    from posttrain.cluster import shell
+
+    ssh, log = fake_ssh
+    real_ssh_shell = shell.SshShell
+    monkeypatch.setattr(shell, "SshShell", lambda host: real_ssh_shell(host, ssh=ssh))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "model").symlink_to(inputs["base_model"])
+    config = SlurmConfig(shared_dir=str(tmp_path / "shared"), ssh_host="sunk-login")
+    with pytest.raises(ConfigError, match=r"^base_model: .*/shared/model resolves to .*/model, which is not on"):
+        preflight.check_paths(config, _paths(inputs, base_model=str(tmp_path / "shared" / "model"),
+                                             shared_dir=str(tmp_path / "shared" / "x")),
+                              job_reads={"base_model", "shared_dir"})
+    assert any(line.startswith("sunk-login realpath -m -- ") for line in log.read_text().splitlines())
 
 
 def _program(folder: Path, name: str, body: str = "exit 0") -> Path:

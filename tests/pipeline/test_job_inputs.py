@@ -1,15 +1,17 @@
 """The flows' start-of-run check of what the job reads (check-job-inputs): a base model path that
-does not exist fails the run before anything is submitted, naming the parameter; a launcher
-missing from the job's PATH names the cluster block."""
+does not exist fails the run before anything is submitted, naming the parameter; a path off the
+Slurm cluster's shared storage names the parameter and the block's fields; a launcher missing from
+the job's PATH names the cluster block."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from posttrain.cluster import ConfigError, KubernetesConfig, LocalConfig
-from posttrain.pipeline.blocks import KubernetesCluster, LocalCluster
+from posttrain.cluster import ConfigError, KubernetesConfig, LocalConfig, SlurmConfig
+from posttrain.pipeline.blocks import KubernetesCluster, LocalCluster, SlurmCluster
 from posttrain.pipeline.tasks import blocks
 
 
@@ -64,6 +66,45 @@ def test_kubernetes_inputs_are_checked_in_the_pvc_the_flow_mounts(monkeypatch, t
     with pytest.raises(ConfigError, match=rf"^shared_dir: {tmp_path}/shared is not on the PVC \(under pvc_mount "
                                           rf"{pvc}\); the pods would not see it"):
         blocks.check_job_inputs.fn("posttrain-kubernetes-cluster/default", **{**good, "shared_dir": str(tmp_path / "shared")})
+
+
+def test_slurm_paths_off_the_clusters_shared_storage_fail_naming_the_parameter_and_the_block_fields(
+        monkeypatch, tmp_path):
+    """docs/site-setup.md deployed base_model /shared/models/base and shared_dir /shared/posttrain
+    with a Slurm block whose shared_dir was /mnt/shared: the run staged the dataset and passed these
+    checks, then failed at submit with a pydantic error naming trainer.model_name_or_path. Now the
+    check fails first, naming the flow parameter and the block's shared_dir and mounts."""
+    shared, site = tmp_path / "shared", tmp_path / "site"
+    for root in (shared, site):
+        (root / "models" / "base").mkdir(parents=True)
+        (root / "models" / "base" / "config.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text("{}\n")  # the flow reads it and stages it into shared_dir
+    ref = "posttrain-slurm-cluster/default"
+    settings = SlurmConfig(shared_dir=str(shared), launcher="python", time_limit="10")
+    _cluster(monkeypatch, SlurmCluster(settings=settings))
+    good = {"base_model": str(shared / "models" / "base"), "dataset": str(tmp_path / "prompts.jsonl"),
+            "shared_dir": str(shared / "posttrain")}
+    blocks.check_job_inputs.fn(ref, **good)
+    fields = f"under neither shared_dir {shared} nor mounts (none) of block {ref}"
+    with pytest.raises(ConfigError) as info:
+        blocks.check_job_inputs.fn(ref, **{**good, "base_model": str(site / "models" / "base")})
+    assert str(info.value) == (f"base_model: {site}/models/base is not on the cluster's shared storage ({fields}); "
+                               "the nodes would not see it: move it there, or add its folder to mounts")
+    with pytest.raises(ConfigError, match=rf"^shared_dir: {site}/posttrain is not on the cluster's shared storage "
+                                          rf"\({re.escape(fields)}\)"):
+        blocks.check_job_inputs.fn(ref, **{**good, "shared_dir": str(site / "posttrain")})
+    with pytest.raises(ConfigError, match=rf"^ref_model_name_or_path: {site}/models/base is not on the cluster's "
+                                          rf"shared storage \({re.escape(fields)}\)"):
+        blocks.check_job_inputs.fn(ref, **good, ref_model=str(site / "models" / "base"))
+    (shared / "models" / "linked").symlink_to(site / "models" / "base")  # a link on shared storage, pointing off it
+    with pytest.raises(ConfigError) as info:
+        blocks.check_job_inputs.fn(ref, **{**good, "base_model": str(shared / "models" / "linked")})
+    assert str(info.value).startswith(f"base_model: {shared}/models/linked resolves to {site}/models/base, which is "
+                                      f"not on the cluster's shared storage ({fields}): a link points off it")
+    # a mount of the block makes the site's folder shared storage
+    _cluster(monkeypatch, SlurmCluster(settings=settings.model_copy(update={"mounts": [str(site)]})))
+    blocks.check_job_inputs.fn(ref, **{**good, "base_model": str(shared / "models" / "linked")},
+                               ref_model=str(site / "models" / "base"))
 
 
 def test_an_empty_base_model_folder_fails_naming_it_and_the_missing_file(monkeypatch, run_inputs, tmp_path):

@@ -45,7 +45,9 @@ def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: st
                      ref_model: str | None = None) -> None:
     """Before anything is submitted, on the flow's machine: the paths the run reads exist (on Slurm
     the flow runs on the login node, which sees the shared storage; on Kubernetes it mounts the
-    PVC where the pods do, and the job's paths must be on it, links resolved), the base model and
+    PVC where the pods do), the job's paths are on the job's storage, links resolved (the PVC's
+    ``pvc_mount``; Slurm's ``shared_dir`` or ``mounts``: the run folder and the staged dataset are
+    under the run's ``shared_dir``, so it is checked with ``base_model``), the base model and
     the reference model (``ref_model``: ``ref_model_name_or_path`` when ``beta > 0``; a hub id is
     the job's to download) are model folders, and the cluster's launcher is on the nodes' PATH
     (Slurm: a one-task srun probe, once per cluster settings and process; on Kubernetes it is the
@@ -54,9 +56,9 @@ def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: st
     # the dataset is read here (the flow stages it into shared_dir); the job reads the other two
     preflight.check_paths(settings, {"base_model": (base_model, "model folder"), "dataset": (dataset, "file"),
                                      "shared_dir": (shared_dir, "folder to create")},
-                          job_reads={"base_model", "shared_dir"})
+                          job_reads={"base_model", "shared_dir"}, block=cluster)
     if ref_model is not None:
-        preflight.check_model_ref(settings, "ref_model_name_or_path", ref_model)
+        preflight.check_model_ref(settings, "ref_model_name_or_path", ref_model, block=cluster)
     try:
         note = preflight.check_launcher(settings)
     except ConfigError as e:
