@@ -35,6 +35,22 @@ def test_require_env_names_what_is_missing(monkeypatch):
     assert require_env(["POSTTRAIN_IMAGE"]) == {"POSTTRAIN_IMAGE": "registry/posttrain:1"}
 
 
+def test_the_suggestion_without_kubernetes_deploys_every_other_deployment(monkeypatch):
+    """It named only nightly and grpo: promote and rollback, which the README and
+    docs/promotion.md run, did not exist until deployed separately (issue 37, item 2)."""
+    monkeypatch.delenv("POSTTRAIN_IMAGE", raising=False)
+    monkeypatch.chdir(REPO)  # prefect deploy runs where prefect.yaml is
+    with pytest.raises(DeployStopped) as info:
+        require_env(["POSTTRAIN_IMAGE"])
+    suggestion = str(info.value.code).split("deploy the others alone: ", 1)[1]
+    doc = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    others = [d["name"] for d in doc["deployments"] if d["name"] != "nightly-k8s"]
+    assert {"nightly", "grpo", "promote", "rollback"} <= set(others)
+    assert suggestion == "prefect --no-prompt deploy " + " ".join(f"--name {n}" for n in others)
+    # docs/site-setup.md quotes the line as printed
+    assert str(info.value.code).split(". Without")[1] in (REPO / "docs" / "site-setup.md").read_text()
+
+
 def test_the_kubernetes_deployment_requires_its_image_and_comes_first():
     doc = yaml.safe_load((REPO / "prefect.yaml").read_text())
     k8s = next(d for d in doc["deployments"] if d["name"] == "nightly-k8s")

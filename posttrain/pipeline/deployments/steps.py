@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import os
+import shlex
+from pathlib import Path
+
+import yaml
+
+# How prefect.yaml names this module's step; `prefect deploy` reads prefect.yaml from the folder it runs in.
+REQUIRE_ENV_STEP = f"{__name__}.require_env"
+PREFECT_FILE = "prefect.yaml"
 
 
 class DeployStopped(SystemExit):
@@ -22,5 +30,20 @@ def require_env(names: list[str], purpose: str = "") -> dict[str, str]:
     if missing:
         why = f" ({purpose})" if purpose else ""
         raise DeployStopped(f"set {', '.join(missing)} before deploying{why}. Without Kubernetes, "
-                            "deploy the others alone: prefect --no-prompt deploy --name nightly --name grpo")
+                            f"deploy the others alone: {deploy_others_command()}")
     return {n: os.environ[n] for n in names}
+
+
+def deploy_others_command(prefect_file: str | Path = PREFECT_FILE) -> str:
+    """The command that deploys every deployment of ``prefect_file`` whose build does not run
+    ``require_env`` (all a site without Kubernetes needs: nightly, grpo, promote, rollback, ...),
+    read from the file so that a deployment added to it is in the suggestion too."""
+    try:
+        doc = yaml.safe_load(Path(prefect_file).read_text()) or {}
+        names = [d["name"] for d in doc.get("deployments") or []
+                 if not any(REQUIRE_ENV_STEP in step for step in d.get("build") or [])]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        names = []
+    if not names:  # no readable file here: say how, not which
+        return "prefect --no-prompt deploy --name NAME --name NAME ... (the deployments of prefect.yaml you use)"
+    return "prefect --no-prompt deploy " + " ".join(f"--name {shlex.quote(n)}" for n in names)
