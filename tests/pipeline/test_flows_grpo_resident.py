@@ -94,6 +94,12 @@ def test_asynchronous_rounds_sample_ahead_within_the_bound(tiny_setup):
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+    # The UI's rounds table shows each round's policy version, staleness and wait, as the terminal's does.
+    table = next(a for a in artifacts if a.key == "flows-grpo-async-rounds")
+    shown = json.loads(table.data)
+    assert [(x["round"], x["policy"], x["stale"], x["wait s"]) for x in shown] == [
+        (row["round"], row["policy version"], row["staleness"], row["wait s"]) for row in report.rounds]
+    assert "asynchronous" in table.description and "the round is its rollouts' policy version" not in table.description
     seconds = assert_goodput_adds_up(flow_run_id, next(a for a in artifacts if a.key == "flows-grpo-async-goodput"))
     assert min(seconds["sampling"], seconds["training"], seconds["startup"]) > 0, seconds
 

@@ -1,4 +1,4 @@
-"""The artifacts' pieces that need no server: the reward curve SVG, the size column."""
+"""The artifacts' pieces that need no server: the reward curve SVG, the size column, the rounds table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import re
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
-from posttrain.pipeline.tasks.report import reward_curve_svg, round_table_rows, size_column
+from posttrain.pipeline.tasks.report import (
+    reward_curve_svg,
+    round_table_description,
+    round_table_rows,
+    size_column,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -58,6 +63,26 @@ def test_the_rounds_table_shows_a_short_snapshot_and_every_other_value():
                            "hot-load s", "round s"]
     assert [v for k, v in shown.items() if k != "snapshot"] == [1, 16, 0.4375, 0.4961, 0.0625, "12.34", 1.23, 0.45,
                                                                 12.34]
+
+
+def test_asynchronous_rounds_show_their_policy_version_staleness_and_wait():
+    """max_staleness > 0: round 3 sampled from policy 2 after waiting 1.5 s, round 4 from the same policy
+    (published and hot-loaded once: no serve time)."""
+    identity = "step-00000002-" + "9f2c41d0" + "ab" * 12
+    rows = [round_row(3, identity) | {"policy version": 2, "staleness": 1, "wait s": 1.5},
+            round_row(4, identity) | {"policy version": 2, "staleness": 2, "wait s": 0.0, "publish s": None,
+                                      "hot-load s": None}]
+    shown = round_table_rows(rows, asynchronous=True)
+    assert list(shown[0]) == ["round", "policy", "stale", "wait s", "samples", "reward", "std", "snapshot",
+                              "% of full", "serve s", "round s"]
+    assert [(x["round"], x["policy"], x["stale"], x["wait s"], x["serve s"]) for x in shown] == [
+        (3, 2, 1, 1.5, 1.68), (4, 2, 2, 0.0, None)]
+    described = round_table_description(asynchronous=True)
+    assert "policy version the round's rollouts were sampled from" in described
+    assert "the round is its rollouts' policy version" not in described
+    # Synchronous rounds keep their table; their description says where a round's policy comes from.
+    assert "policy" not in round_table_rows(rows)[0]
+    assert "the policy every earlier round trained" in round_table_description(asynchronous=False)
 
 
 def test_the_training_metrics_artifact_names_the_tensorboard_folder_and_command():

@@ -189,13 +189,15 @@ def test_the_custom_run_form_shows_and_sends_the_deployments_block_values(ui, na
 
 
 @pytest.mark.timeout(120)
-def test_the_rounds_table_shows_every_column_at_1400_px(ui, tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["synchronous", "asynchronous"])
+def test_the_rounds_table_shows_every_column_at_1400_px(ui, tmp_path, asynchronous):
     rows = [{"round": r, "policy version": r, "samples": 128, "reward mean": -0.4375, "reward std": 0.4961,
              "shard spread": 0.0625, "snapshot": f"step-{r:08d}-{'9f2c41d0' * 4}", "kind": "delta" if r else "full",
              "delta % of full": "12.34" if r else "full", "publish s": 123.45, "hot-load s": 12.34,
-             "round s": 1234.56} for r in range(3)]
+             "staleness": 1234, "wait s": 1234.56, "round s": 1234.56} for r in range(1000, 1003)]
+    rows = round_table_rows(rows, asynchronous)
     artifact = ui.call("POST", "/artifacts/", {"key": "ui-test-rounds", "type": "table",
-                                               "data": json.dumps(round_table_rows(rows)), "description": "rounds"})
+                                               "data": json.dumps(rows), "description": "rounds"})
     try:
         with Browser(width=1400, height=900) as browser:
             browser.open(f"{ui.url}/artifacts/artifact/{artifact['id']}")
@@ -209,6 +211,6 @@ def test_the_rounds_table_shows_every_column_at_1400_px(ui, tmp_path):
                       window: window.innerWidth}; })()""")
     finally:
         ui.call("DELETE", f"/artifacts/{artifact['id']}")
-    assert seen["headers"] == list(round_table_rows(rows)[0])
+    assert seen["headers"] == list(rows[0])
     assert seen["width"] <= seen["shown"] and seen["right"] <= seen["window"], seen
-    assert re.fullmatch(r"[0-9a-f]{8}", round_table_rows(rows)[0]["snapshot"])
+    assert re.fullmatch(r"[0-9a-f]{8}", rows[0]["snapshot"])

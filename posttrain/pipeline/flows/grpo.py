@@ -218,7 +218,7 @@ def resident_rounds(settings: GrpoSettings, rows: list[dict], clock: FlowClock, 
             job.hand(r, job.recorded_version(policy))
             table.append(row | {"staleness": r - policy.version, "wait s": round(t_wait, 2),
                                 "round s": round(time.perf_counter() - t0, 2)})
-            round_table(card, table, trainer)
+            round_table(card, table, trainer, asynchronous=k > 0)
             reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table])
             logger.info("round %d: reward %.3f, sampled from policy version %d; handed to the trainer", r,
                         row["reward mean"], job.recorded_version(policy))

@@ -64,29 +64,62 @@ def short_identity(identity: str) -> str:
 
 # The rounds table's columns (the GRPO flow's row keys) and their headers. Prefect's artifact page
 # gives a table about 840 px in a 1400 px window and cuts off what is wider: short headers, the
-# snapshot's short form (a full identity alone took 420 px), no "policy version" (the round's
-# number) and no "kind" (the size column says "full" for a full snapshot).
+# snapshot's short form (a full identity alone took 420 px) and no "kind" (the size column says
+# "full" for a full snapshot).
 ROUND_COLUMNS = {"round": "round", "samples": "samples", "reward mean": "reward", "reward std": "std",
                  "shard spread": "spread", "snapshot": "snapshot", "delta % of full": "% of full",
                  "publish s": "publish s", "hot-load s": "hot-load s", "round s": "round s"}
+# Asynchronous rounds (max_staleness > 0) add, after the round, the policy version its rollouts were
+# sampled from, its staleness (round - version) and the seconds the round waited for the trainer (in
+# synchronous rounds the version is the round's own, offset by the base's step, and nothing waits).
+# To fit the width they show publish + hot-load as one column and leave out the shards' spread
+# (both are in the flow's result and the terminal's table).
+ASYNC_COLUMNS = {"round": "round", "policy version": "policy", "staleness": "stale", "wait s": "wait s",
+                 "samples": "samples", "reward mean": "reward", "reward std": "std", "snapshot": "snapshot",
+                 "delta % of full": "% of full", "serve s": "serve s", "round s": "round s"}
 
 
-def round_table_rows(rows: list[dict]) -> list[dict]:
-    """The rounds table as the artifact shows it; the flow's result keeps the full rows."""
-    return [{header: short_identity(row[key]) if key == "snapshot" else row.get(key)
-             for key, header in ROUND_COLUMNS.items()} for row in rows]
+def _cell(row: dict, key: str) -> object:
+    if key == "snapshot":
+        return short_identity(row[key])
+    if key == "serve s":  # none where the round samples a policy an earlier round published and hot-loaded
+        publish, hotload = row.get("publish s"), row.get("hot-load s")
+        return None if publish is None or hotload is None else round(publish + hotload, 2)
+    return row.get(key)
 
 
-def round_table(run_name: str, rows: list[dict], trainer=None) -> None:
-    """The rounds table; with ``trainer`` (the round's TrainerConfig), its description says where the
-    training curves are (``tensorboard_line``)."""
+def round_table_rows(rows: list[dict], asynchronous: bool = False) -> list[dict]:
+    """The rounds table as the artifact shows it (``asynchronous``: max_staleness > 0); the flow's
+    result keeps the full rows."""
+    columns = ASYNC_COLUMNS if asynchronous else ROUND_COLUMNS
+    return [{header: _cell(row, key) for key, header in columns.items()} for row in rows]
+
+
+def round_table_description(asynchronous: bool, trainer=None) -> str:
+    """What the rounds table's columns hold. Only in synchronous rounds is a round's policy the one
+    every earlier round trained."""
+    if asynchronous:
+        head = ("GRPO rounds, asynchronous: policy is the policy version the round's rollouts were sampled "
+                "from, stale the versions it is behind the round (at most max_staleness), wait s the seconds "
+                "the round waited for the trainer; ")
+        times = ("serve s the publish + hot-load seconds (none where the round samples the policy an earlier "
+                 "round published), round s the round's seconds; the shards' spread is in the run's result")
+    else:
+        head = "GRPO rounds, each sampled from the policy every earlier round trained (round 0: the base model): "
+        times = "publish, hot-load and round seconds"
+    return (head + "reward mean and std over the round's samples" + ("" if asynchronous else
+            ", the std of the shards' means") + ", the snapshot published (its hash's first 8 hex digits; the "
+            "full identity is in the run's logs, events and result), its size (a delta's % of the full weights, "
+            "or full), " + times + tensorboard_line(trainer))
+
+
+def round_table(run_name: str, rows: list[dict], trainer=None, *, asynchronous: bool = False) -> None:
+    """The rounds table (``asynchronous``: max_staleness > 0, with the policy, staleness and wait
+    columns); with ``trainer`` (the round's TrainerConfig), its description says where the training
+    curves are (``tensorboard_line``)."""
     key = artifact_key(run_name, "rounds")
-    description = ("GRPO rounds (the round is its rollouts' policy version): reward mean and std over the round's "
-                   "samples, the std of the shards' means, the snapshot published (its hash's first 8 hex digits; "
-                   "the full identity is in the run's logs, events and result), its size (a delta's % of the full "
-                   "weights, or full), publish, hot-load and round seconds (none where a round samples a policy an "
-                   "earlier round published: asynchronous rounds)" + tensorboard_line(trainer))
-    shown = round_table_rows(rows)
+    description = round_table_description(asynchronous, trainer)
+    shown = round_table_rows(rows, asynchronous)
     _upsert(key, "table", json.dumps(shown), description,
             lambda: create_table_artifact(shown, key=key, description=description))
 
