@@ -28,6 +28,7 @@ SIDE_EFFECTING = {
     "evaluate-and-promote",  # switches production and records it
     "roll-back",  # the same
     "collect-garbage",  # deletes from the store
+    "check-dask-scheduler",  # no effect, but it looks at a live address: a retry must look again
 }
 # Reads only, or results valid for the inputs they are keyed by (a shard's reply names its snapshot):
 # a retry may reuse them (commit 2afe621 kept the shards' default on purpose).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.blocks.core import Block
+from prefect.cache_policies import NO_CACHE
 
 from posttrain.cluster import preflight
 from posttrain.cluster.errors import ConfigError
@@ -67,7 +68,7 @@ def check_job_inputs(cluster: str, base_model: str, dataset: str, shared_dir: st
         get_run_logger().warning("cluster %s: %s", cluster, note)
 
 
-@task(name="check-dask-scheduler")
+@task(name="check-dask-scheduler", cache_policy=NO_CACHE)  # a retry looks at the address again
 def check_dask_scheduler(address: str) -> None:
     """Before the training job is submitted: a scheduler answers at ``dask_address`` (a TCP connect,
     a few seconds at most). Found only at the first round's shards, the resident job would idle
