@@ -358,5 +358,24 @@ def flow_run_name() -> str:
 
     name = (flow_run.parameters or {}).get("run_name")
     when = flow_run.scheduled_start_time or datetime.now(UTC)
-    return f"{name or flow_run.flow_name}-{when:%Y-%m-%d}-{run_suffix(flow_run.id)}"
+    return renamed(f"{name or flow_run.flow_name}-{when:%Y-%m-%d}-{run_suffix(flow_run.id)}")
+
+
+def renamed(name: str) -> str:
+    """``name``, a flow run's own name, after logging it where the user looks: the engine renames the
+    run when it starts, after the CLI printed its creation name (``Created flow run 'wooden-koala'``,
+    or what the run form pre-filled) and says so only at debug level. The name needs the flow run's
+    id, so no name given at creation can be it."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+    from prefect.runtime import flow_run
+
+    created = flow_run.name
+    if created and created != name:  # a retry keeps its name: nothing to say
+        try:
+            get_run_logger().info("This flow run is named %s, not %s: a run names itself when it starts, "
+                                  "with the day and its short id (docs/run-form.md#flow-run-names)", name, created)
+        except MissingContextError:  # called outside a flow run (tests)
+            pass
+    return name
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.promotion_settings import PromoteSettings, RollbackSettings
-from posttrain.pipeline.settings import run_suffix
+from posttrain.pipeline.settings import renamed, run_suffix
 from posttrain.pipeline.tasks.blocks import check_reward_funcs, load_block
 from posttrain.pipeline.tasks.promotion import evaluate_and_promote, latest_snapshot, roll_back
 from posttrain.pipeline.tasks.report import promotion_report
@@ -47,7 +47,7 @@ def _name(kind: str) -> str:
     from datetime import UTC, datetime
 
     when = flow_run.scheduled_start_time or datetime.now(UTC)
-    return f"{kind}-{when:%Y-%m-%d}-{run_suffix(flow_run.id)}"
+    return renamed(f"{kind}-{when:%Y-%m-%d}-{run_suffix(flow_run.id)}")
 
 
 @flow(name="promote", flow_run_name=lambda: _name("promote"), log_prints=True)
