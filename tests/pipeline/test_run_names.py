@@ -1,6 +1,6 @@
 """A flow run renames itself when it starts (``<run_name>-<day>-<short id>``: the id is not known
-when the run is created), after the CLI printed its creation name: its first log line says so
-(real Prefect server)."""
+when the run is created), after the CLI printed its creation name: its log says so, before Prefect's `Beginning flow
+run` (real Prefect server)."""
 
 from __future__ import annotations
 
