@@ -57,15 +57,21 @@ def publish_runs(store: Store, root: Path, *, runs: int = 5, steps: int = 5, fir
     done = Nightly()
     for n in range(first, first + runs):
         run = f"night-{n}"
-        ckpts = checkpoints(root / run / "output", seed=n, steps=steps)
-        config = PublishConfig(run=run, work_dir=root / run / "work", async_publish=False,
-                               policy=ChainPolicy(max_deltas=3))
-        with Publisher(store, config) as pub:
-            for step, ckpt in enumerate(ckpts, start=1):
-                p = pub.publish_step(ckpt, step)
-                done.runs.setdefault(run, []).append((p.step, p.identity, p.kind, p.base))
-                done.checkpoints[p.identity] = ckpt
-        time.sleep(0.01)  # distinct publication times between runs
+        publish_run(store, root, run, checkpoints(root / run / "output", seed=n, steps=steps), done)
+    return done
+
+
+def publish_run(store: Store, root: Path, run: str, ckpts: list[Path], done: Nightly | None = None) -> Nightly:
+    """Publish the checkpoint folders ``ckpts`` (synthetic ones, or models a server can load) as
+    steps 1, 2, ... of ``run``, recording them in ``done``."""
+    done = Nightly() if done is None else done
+    config = PublishConfig(run=run, work_dir=root / run / "work", async_publish=False, policy=ChainPolicy(max_deltas=3))
+    with Publisher(store, config) as pub:
+        for step, ckpt in enumerate(ckpts, start=1):
+            p = pub.publish_step(ckpt, step)
+            done.runs.setdefault(run, []).append((p.step, p.identity, p.kind, p.base))
+            done.checkpoints[p.identity] = ckpt
+    time.sleep(0.01)  # distinct publication times between runs
     return done
 
 
