@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,9 +28,8 @@ from posttrain.promote.history import History, Record
 from posttrain.promote.lease import lease_key
 from posttrain.promote.promoter import describe_snapshot, load_version
 from posttrain.storage import LocalStore
-from tests.promote.test_one_writer import decision
 from tests.support.chains import Nightly, publish_run, snapshots_in
-from tests.support.deployment_race import start
+from tests.support.deployment_race import decision, start
 from tests.support.promotion import eval_rows, served_identities
 from tests.support.server_race import promote_worker, start_cli
 from tests.support.serving import TOKEN, Api, start_server
@@ -114,6 +114,18 @@ def site(chain, published, tmp_path) -> Site:
             s.shutdown()
 
 
+@pytest.fixture
+def reap():
+    """Processes a test started; any still running at its end (a failed test) are killed."""
+    started: list = []
+    yield started
+    for proc in started:
+        if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+            proc.kill()
+        elif not isinstance(proc, subprocess.Popen) and proc.is_alive():
+            proc.kill()
+
+
 def loading(api: Api, identity: str) -> bool:
     r = api.get("/v1alpha1/inference/hotLoads", params={"parentDeploymentId": "prod", "maxPageSize": 1000})
     return any(op["spec"]["identity"] == identity for op in r.json()["hotLoads"])
@@ -134,7 +146,7 @@ def chain_of(store: LocalStore, identity: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_promote_rollback_and_gc_race_with_two_reference_servers(chain, site, rows, tmp_path, case):
+def test_promote_rollback_and_gc_race_with_two_reference_servers(chain, site, rows, tmp_path, case, reap):
     apis = {name: Api(url) for name, url in site.urls.items()}
     for name, faults in case.faults.items():
         apis[name].faults(*faults)
@@ -147,12 +159,14 @@ def test_promote_rollback_and_gc_race_with_two_reference_servers(chain, site, ro
                           "--to", "previous", "--poll-interval", "0.05", "--timeout", "120"],
                          tmp_path / "rollback", go["rollback"], delay["rollback"])
     gc = start_cli(["gc", "--store", str(site.root), "--keep-runs", "1"], tmp_path / "gc", go["gc"], delay["gc"])
+    reap += [promotion, rollback.proc, gc.proc]
     ready = [out_p.with_suffix(".ready"), rollback.ready, gc.ready]
     wait_for(lambda: all(r.exists() for r in ready), "every operation to import what it needs")
     for op in case.starts:
         go[op].touch()
     conditions = {"the promotion ended": lambda: not promotion.is_alive(),
-                  "production loads the candidate": lambda: loading(apis["prod"], site.candidate)}
+                  "production loads the candidate": lambda: loading(apis["prod"], site.candidate)
+                  or not promotion.is_alive()}
     if case.later:
         wait_for(conditions[case.when], case.when)
         for op in case.later:

@@ -14,7 +14,6 @@ import pytest
 
 from posttrain.pipeline.parameters import ParameterError, from_parameters
 from posttrain.pipeline.promotion_settings import RollbackSettings
-from posttrain.promote.decision import Decision
 from posttrain.promote.history import History, Record
 from posttrain.promote.lease import holding, lease_key
 from posttrain.promote.promoter import Deployment, OperationLost, PromotionError, SwitchFailed, promote, rollback
@@ -22,7 +21,7 @@ from posttrain.publish.content import checkpoint_content
 from posttrain.publish.gc import GcConfig, delete_snapshot, plan_gc, run_gc
 from posttrain.storage import LocalStore
 from tests.support.chains import publish_runs, rebuilds, snapshots_in
-from tests.support.deployment_race import FileLoader, rows, seed_evals, served, settings_and_gate
+from tests.support.deployment_race import FileLoader, decision, rows, seed_evals, served, settings_and_gate
 
 
 class Site:
@@ -60,12 +59,6 @@ class Site:
     def consistent(self) -> None:
         """The invariant: production serves the history's champion."""
         assert served(self.file) == self.history.champion()
-
-
-def decision(candidate: str, champion: str | None, accepted: bool) -> Decision:
-    return Decision(accepted=accepted, reason="accepted: test" if accepted else "refused: test", rule="superiority",
-                    margin=0.0, confidence=0.95, bootstrap_samples=10_000, seed=0, candidate=candidate,
-                    champion=champion, prompts=16, samples_per_prompt=2)
 
 
 @pytest.fixture

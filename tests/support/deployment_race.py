@@ -94,6 +94,15 @@ def settings_and_gate():  # noqa: ANN201
     return settings, GateConfig(samples_per_prompt=SAMPLES)
 
 
+def decision(candidate: str, champion: str | None, accepted: bool):  # noqa: ANN201 - a Decision
+    """A gate's decision as a history record holds it, for records a test writes itself."""
+    from posttrain.promote.decision import Decision
+
+    return Decision(accepted=accepted, reason="accepted: test" if accepted else "refused: test", rule="superiority",
+                    margin=0.0, confidence=0.95, bootstrap_samples=10_000, seed=0, candidate=candidate,
+                    champion=champion, prompts=16, samples_per_prompt=2)
+
+
 def seed_evals(store, scores: dict[str, float], dataset_digest: str = "d" * 64) -> None:  # noqa: ANN001
     """Stored evals: ``identity`` scores about ``scores[identity]`` on every prompt."""
     from posttrain.promote.evaluate import EvalResult, EvalStore, eval_digest
