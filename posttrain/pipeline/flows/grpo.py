@@ -42,7 +42,13 @@ from posttrain.pipeline.tasks.report import (
 )
 from posttrain.pipeline.tasks.rollouts import map_shards, shard_runner
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import cancel_submitted, resident_markers, resident_run, train_step
+from posttrain.pipeline.tasks.training import (
+    cancel_submitted,
+    resident_markers,
+    resident_run,
+    stops_jobs_when_cancelled,
+    train_step,
+)
 from posttrain.publish.publisher import PublishedSnapshot
 from posttrain.rollouts.format import load_rollouts
 from posttrain.rollouts.rounds import pooled_rewards, shard_specs
@@ -66,6 +72,7 @@ class GrpoReport(BaseModel):
 @flow(name="grpo", flow_run_name=flow_run_name, log_prints=True,
       on_cancellation=[cancel_submitted(GrpoSettings)],
       on_crashed=[cancel_submitted(GrpoSettings)])
+@stops_jobs_when_cancelled(GrpoSettings)  # at once; the hooks come 15-20 s later
 @flat_parameters(GrpoSettings)
 def grpo(settings: GrpoSettings) -> GrpoReport:
     """GRPO rounds: publish and hot-load the policy, sample rollout shards from it, train one step."""

@@ -25,7 +25,7 @@ from posttrain.pipeline.tasks.report import progress as progress_artifact
 from posttrain.pipeline.tasks.report import size_column, snapshots_table, training_metrics
 from posttrain.pipeline.tasks.retention import collect_garbage
 from posttrain.pipeline.tasks.staging import stage
-from posttrain.pipeline.tasks.training import cancel_submitted, run_job
+from posttrain.pipeline.tasks.training import cancel_submitted, run_job, stops_jobs_when_cancelled
 
 
 def snapshot_row(step: int, snapshot) -> dict:
@@ -52,6 +52,7 @@ class NightlyReport(BaseModel):
 @flow(name="nightly-post-training", flow_run_name=flow_run_name, log_prints=True,
       on_cancellation=[cancel_submitted(NightlySettings)],
       on_crashed=[cancel_submitted(NightlySettings)])
+@stops_jobs_when_cancelled(NightlySettings)  # at once; the hooks come 15-20 s later
 @flat_parameters(NightlySettings)
 def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     """Stage the dataset, train on the cluster, and publish and hot-load every checkpoint."""
