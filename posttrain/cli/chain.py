@@ -232,13 +232,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from posttrain.chain.ops import inspect_chain
 
     rows = inspect_chain(args.chain, density=args.density)
+    runs = snapshot_runs(args.chain)  # a store's folder: several runs' chains side by side
+    if runs:
+        rows.sort(key=lambda s: ",".join(runs.get(s.name, ())))  # each run's snapshots together, in step order
     table = Table(title=str(args.chain))
-    for col in ("snapshot", "kind", "base", "changed tensors", "density %", "stored", "% of full"):
-        table.add_column(col, justify="left" if col in ("snapshot", "kind", "base") else "right")
+    columns = ("snapshot", "kind", "base", "changed tensors", "density %", "stored", "% of full")
+    for col in ("run", *columns) if runs else columns:
+        table.add_column(col, justify="left" if col in ("run", "snapshot", "kind", "base") else "right")
     for s in rows:
         dens = f"{100 * s.density:.2f}" if s.density is not None else "-"
-        table.add_row(s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}", dens,
-                      human_bytes(s.stored_bytes), "-" if s.share_of_full is None else f"{100 * s.share_of_full:.2f}")
+        cells = [s.name, s.kind, s.base or "-", f"{s.changed_tensors}/{s.total_tensors}", dens,
+                 human_bytes(s.stored_bytes), "-" if s.share_of_full is None else f"{100 * s.share_of_full:.2f}"]
+        table.add_row(*([", ".join(runs.get(s.name, ())) or "-"] if runs else []), *cells)
     table.caption = "% of full: stored bytes over those of the full snapshot the version builds on"
     make_console().print(table)
     return 0
+
+
+def snapshot_runs(folder: Path) -> dict[str, list[str]]:
+    """Snapshot identity -> the runs whose ledger lists it, for a folder store (its ledgers under
+    ``.posttrain/runs/``); empty for a chain folder that no run published to."""
+    from posttrain.publish.gc import run_names
+    from posttrain.publish.ledger import Ledger
+    from posttrain.storage import LocalStore
+
+    runs: dict[str, list[str]] = {}
+    with LocalStore(folder) as store:
+        for run in run_names(store):
+            for entry in Ledger(store, run).entries():
+                runs.setdefault(entry.identity, []).append(run)
+    return runs

@@ -169,3 +169,20 @@ def test_chain_apply_of_a_version_missing_from_an_s3_store(moto_bucket, tmp_path
                      tmp_path / "out", "--endpoint-url", endpoint, "--cache", tmp_path / "cache", env=env)
     line = one_error(proc)
     assert line.startswith(f"snapshot step-00000003-abc is not in the store (s3://{bucket}/none")
+
+
+def test_chain_inspect_of_a_store_names_each_snapshots_run(runs, tmp_path):
+    """Runs share a store's folder: ``chain inspect <store>`` lists every run's snapshots, each with
+    its run (from the runs' ledgers), a run's together in step order. (A chain folder no run published
+    to has no run column: tests/chain/test_cli.py reads its columns.)"""
+    main, alt = runs
+    assert publish(tmp_path, *main[:2], run="night-a").returncode == 0
+    assert publish(tmp_path, *alt[:3], run="night-b", work="work-b").returncode == 0
+    proc = posttrain("chain", "inspect", tmp_path / "store", env={**os.environ, "COLUMNS": "250"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [c.strip() for c in next(line for line in lines if "snapshot" in line).split("┃")[1:3]] == ["run",
+                                                                                                       "snapshot"]
+    rows = [[c.strip() for c in line.split("│")[1:3]] for line in lines if "step-0000000" in line]
+    assert [run for run, _ in rows] == ["night-a"] * 2 + ["night-b"] * 3, proc.stdout
+    assert [int(s.split("-")[1]) for _, s in rows] == [1, 2, 1, 2, 3]
