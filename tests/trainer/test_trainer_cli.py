@@ -86,4 +86,4 @@ def test_trainer_module_runs_a_step_and_rejects_bad_configs(tiny_model_dir, tmp_
     config.write_text("mode: step\nmodel_name_or_path: m\noutput_dir: relative\n")
     bad = _run(["-m", "posttrain.trainer", str(config)])
     assert bad.returncode == 2
-    assert "output_dir: Value error, must be an absolute path" in bad.stderr
+    assert "output_dir: must be an absolute path" in bad.stderr
