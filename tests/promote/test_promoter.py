@@ -5,19 +5,14 @@ answers; bad input changes nothing."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
 from posttrain.promote.decision import GateConfig
 from posttrain.promote.evaluate import EvalSettings, EvalStore
 from posttrain.promote.history import History
 from posttrain.promote.promoter import Deployment, PromotionError, promote, rollback
-from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
-from posttrain.storage import open_store
-from tests.support.promotion import eval_rows, greedy_eval, served_identities
-from tests.support.serving import PREFIX, PROMPT, TOKEN, Api, start_server
+from tests.support.promotion import eval_rows, greedy_eval, served_identities, staging_and_production
+from tests.support.serving import PROMPT, Api
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +23,8 @@ def rows(chain):
 @pytest.fixture
 def site(chain, store_copy, tmp_path):
     """Staging and production reference servers on one store; yields (store, staging, production, apis)."""
-    servers = [start_server(chain, tmp_path / name, store_copy, deployment_id=name) for name in ("staging", "prod")]
-    store = open_store(str(store_copy / PREFIX))
-    loaders = [CoreWeaveHotLoader(HotLoadConfig(api_url=s.url, deployment_id=name, token=TOKEN, poll_interval=0.05,
-                                                timeout=60)) for s, name in zip(servers, ("staging", "prod"), strict=True)]
-
-    def completions(url=servers[0].url):
-        return CompletionsClient(CompletionsConfig(gateway_url=url, model="tiny", token=TOKEN))
-
-    try:
-        yield (store, Deployment("staging", loaders[0], completions), Deployment("prod", loaders[1]),
-               [Api(s.url) for s in servers])
-    finally:
-        for x in (*loaders, store):
-            x.close()
-        for s in servers:
-            s.shutdown()
+    with staging_and_production(chain, store_copy, tmp_path) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")

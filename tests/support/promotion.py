@@ -7,7 +7,8 @@ servers' ``chain`` fixture, or the vLLM tests' models)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.support.serving import local_greedy
@@ -57,3 +58,31 @@ def served_identities(api, deployment: str) -> set[str]:
     op_id = r.json()["hotLoads"][0]["spec"]["id"]
     replicas = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"]
     return {x["currentSnapshotIdentity"] for x in replicas}
+
+
+@contextmanager
+def staging_and_production(chain, store_folder: Path, tmp_path: Path) -> Iterator[tuple]:
+    """Staging and production reference servers on one store: yields (store, staging, production,
+    [staging api, production api]), the ``Deployment``s promotion takes (staging with completions)."""
+    from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
+    from posttrain.promote.promoter import Deployment
+    from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
+    from posttrain.storage import open_store
+    from tests.support.serving import PREFIX, TOKEN, Api, start_server
+
+    servers = [start_server(chain, tmp_path / name, store_folder, deployment_id=name) for name in ("staging", "prod")]
+    store = open_store(str(store_folder / PREFIX))
+    loaders = [CoreWeaveHotLoader(HotLoadConfig(api_url=s.url, deployment_id=name, token=TOKEN, poll_interval=0.05,
+                                                timeout=60)) for s, name in zip(servers, ("staging", "prod"), strict=True)]
+
+    def completions(url=servers[0].url):
+        return CompletionsClient(CompletionsConfig(gateway_url=url, model="tiny", token=TOKEN))
+
+    try:
+        yield (store, Deployment("staging", loaders[0], completions), Deployment("prod", loaders[1]),
+               [Api(s.url) for s in servers])
+    finally:
+        for x in (*loaders, store):
+            x.close()
+        for s in servers:
+            s.shutdown()
