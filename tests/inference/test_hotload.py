@@ -25,7 +25,7 @@ from posttrain.inference.protocol import (
     TYPE_FULL,
     TYPE_INCREMENTAL,
 )
-from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN, Api, wait_op
+from tests.support.serving import DEPLOYMENT, PREFIX, PROMPT, TOKEN, Api
 
 
 def _replica_identities(api: Api, op_id: str) -> list[str]:
