@@ -54,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from posttrain.cli.chain import make_console
     from posttrain.datasets.toy import write_toy_jsonl
     from posttrain.models.tiny import build_tiny_model
-    from posttrain.pipeline.deployments.embedded import save_default_blocks
+    from posttrain.pipeline.deployments.embedded import DEFAULT, save_default_blocks
     from posttrain.serve.serve_config import ServeConfig
     from posttrain.serve.server import InferenceServer
 
@@ -111,6 +111,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         for s in servers:
             s.shutdown()
+        try:
+            removed = remove_inference_blocks([DEFAULT, PRODUCTION.split("/")[1]])
+        except Exception as e:  # noqa: BLE001 - the demo's own outcome matters more
+            console.print(f"could not remove the demo's inference blocks ({type(e).__name__}: {e}): they name "
+                          "its stopped servers")
+        else:
+            console.print(f"inference blocks {', '.join(removed) or '(none)'} removed: they named the demo's "
+                          "servers, stopped now (the store and cluster blocks stay)")
     console.print(f"staging serves {report.final_snapshot}; production serves "
                   f"{gate.candidate if gate.promoted else gate.champion}; final policy at {report.final_checkpoint}")
     console.print("[bold]where to look[/]:")
@@ -125,6 +133,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(f"  Prefect UI       {api.removesuffix('/api')}  (flow runs, artifacts: tables, progress, "
                       "reward curve)")
     return 0
+
+
+def remove_inference_blocks(names: list[str]) -> list[str]:
+    """Delete the inference blocks ``names`` that exist; the names deleted. The demo's name its own
+    servers, which stop when it ends: a run that used them would hot-load into nothing."""
+    from posttrain.pipeline.blocks import InferenceDeployment
+
+    removed = []
+    for name in names:
+        try:
+            InferenceDeployment.delete(name)
+        except ValueError:  # not saved: the demo stopped before it saved that one
+            continue
+        removed.append(name)
+    return removed
 
 
 def _save_production(url: str, token: str) -> None:
