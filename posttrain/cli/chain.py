@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from posttrain.cli.s3_args import add_s3_options, s3_options
+from posttrain.words import plural
 
 SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
 
@@ -160,7 +161,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             shutil.rmtree(chain / name, ignore_errors=True)
         raise
     print(
-        f"version {r.version}: {r.start} + {len(r.deltas)} deltas, {human_bytes(r.bytes)} verified, "
+        f"version {r.version}: {r.start} + {plural(len(r.deltas), 'delta')}, {human_bytes(r.bytes)} verified, "
         f"{human_bytes(r.throughput)}/s -> {r.path}"
     )
     return 0
@@ -222,7 +223,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.chain} holds no snapshots (subfolders with an index); it is not a chain folder")
     paths = verify_chain(args.chain, boot_dir=args.boot, workers=args.workers)
     deltas = sum(len(p.deltas) for p in paths)
-    print(f"{args.chain}: OK, {total} snapshots, {len(paths)} paths, {deltas} deltas verified")
+    print(f"{args.chain}: OK, {plural(total, 'snapshot')}, {plural(len(paths), 'path')}, {plural(deltas, 'delta')} "
+          "verified")
     return 0
 
 

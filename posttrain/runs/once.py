@@ -32,6 +32,7 @@ from posttrain.runs.watch import load_cursor, watch_checkpoints
 from posttrain.trainer.checkpoints import CheckpointInfo, complete_checkpoints
 from posttrain.trainer.config import TrainingResult
 from posttrain.trainer.timeline import Attempt, read_timeline
+from posttrain.words import plural
 
 # Runs submitted by this process, by job id: their handles follow them best.
 _RUNS: dict[str, TrainingRun] = {}
@@ -167,7 +168,8 @@ def cancel_job(record: JobRecord, cluster: ClusterConfig | None) -> str:
         found = _local().stop_group(record.pgid)
         if not found and run is None:
             return f"local job {record.job_id} (process group {record.pgid}) had already ended"
-        return f"local job {record.job_id}: stopped process group {record.pgid} ({len(found)} processes)"
+        stopped = plural(len(found), "process", "processes")
+        return f"local job {record.job_id}: stopped process group {record.pgid} ({stopped})"
     handle = run.handle if run is not None else attach(record, cluster)
     state = handle.state()
     if state.terminal:

@@ -34,7 +34,7 @@ def test_encode_apply_verify_inspect(model_pair, tmp_path):
 
     out = tmp_path / "out"
     applied = posttrain("chain", "apply", str(chain), "--version", identity, "--out", str(out))
-    assert f"version {identity}" in applied.stdout and "1 deltas" in applied.stdout
+    assert f"version {identity}" in applied.stdout and "+ 1 delta," in applied.stdout
     assert load_bytes(out) == load_bytes(new)
 
     assert "OK, 2 snapshots" in posttrain("chain", "verify", str(chain)).stdout

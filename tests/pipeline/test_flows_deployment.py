@@ -97,7 +97,7 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
         assert f"`tensorboard --logdir {run_dir / 'tensorboard'}`" in metrics, metrics
         assert found[("progress", "flows-nightly-training-progress")].data == 100.0
         assert "log:" in str(found[("markdown", "flows-nightly-training-job")].data)
-        table = json.loads(found[("table", "flows-nightly-nightly-snapshots")].data)
+        table = json.loads(found[("table", "flows-nightly-snapshots")].data)
         assert [(r["step"], r["kind"]) for r in table] == [(1, "full"), (2, "delta")]
         assert table[0]["% of full"] == "full" and 0 < float(table[1]["% of full"]) < 100, table
         # The goodput (docs/goodput.md) adds up to the flow run's wall time within 2%, from measured parts.
@@ -106,7 +106,7 @@ def test_two_nightly_deployment_runs_complete_and_serve_their_last_snapshot(proc
         assert seconds["lost"] == 0 and seconds["orchestration"] > 0, seconds
 
     kinds = {"progress": "flows-nightly-training-progress", "markdown": "flows-nightly-training-job",
-             "table": "flows-nightly-nightly-snapshots", "goodput": "flows-nightly-goodput"}
+             "table": "flows-nightly-snapshots", "goodput": "flows-nightly-goodput"}
     run_ids = [r.id for r in runs]
     keyed = [a for a in flow_run_artifacts(*run_ids) if a.key]
     with get_client(sync_client=True) as client:

@@ -117,7 +117,7 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     keyed = sorted((a.type, a.key) for a in artifacts if a.key)
     assert keyed == [("markdown", f"{RUN}-training-job"), ("markdown", f"{RUN}-training-metrics"),
                      ("progress", f"{RUN}-training-progress"), ("table", f"{RUN}-goodput"),
-                     ("table", f"{RUN}-nightly-snapshots")], artifacts
+                     ("table", f"{RUN}-snapshots")], artifacts
 
     # 3. Training was not submitted again: same job, one job folder, one trainer result.
     assert json.loads((run_dir / "training-job.json").read_text()) == job

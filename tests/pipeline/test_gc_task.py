@@ -97,7 +97,7 @@ def test_the_task_keeps_history_served_and_given_versions_and_reports_the_rest(t
                                 n1[1]: "served by posttrain-inference-deployment/d"}
     ((card, rows, description),) = tables
     assert card == "nightly" and [r["identity"] for r in rows] == [n1[2]] and rows[0]["run"] == "night-1"
-    assert description.startswith("gc of ") and "1 snapshots deleted" in description
+    assert description.startswith("gc of ") and "1 snapshot deleted" in description
 
 
 def test_a_deployment_that_cannot_be_read_stops_the_task_before_any_delete(task_env):

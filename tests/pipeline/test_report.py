@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
 from posttrain.pipeline.tasks.report import (
+    reward_curve_progress,
     reward_curve_svg,
     round_table_description,
     round_table_rows,
@@ -39,6 +40,12 @@ def test_reward_curve_svg_of_one_flat_round_and_of_none():
     none = reward_curve_svg([], [])
     ET.fromstring(none)
     assert _texts(none, "xlabel") == ["round"] and "<polyline" not in none
+
+
+def test_the_reward_curve_says_so_far_only_while_rounds_are_left():
+    assert reward_curve_progress(2, 4) == "2 of 4 rounds so far"
+    assert reward_curve_progress(4, 4) == "4 rounds"  # a finished run: no "(4 rounds so far)"
+    assert reward_curve_progress(1, 1) == "1 round"
 
 
 def test_size_column_is_a_ratio_for_deltas_only():

@@ -187,7 +187,7 @@ def per_round_jobs(settings: GrpoSettings, rows: list[dict], clock: FlowClock, t
                                  str(settings.run_dir / "rounds" / f"{r:04d}" / "train-job.json"), card=card)
             table.append(row | {"round s": round(time.perf_counter() - t0, 2)})
             round_table(card, table, trainer)
-            reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table])
+            reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table], settings.rounds)
             logger.info("round %d: reward %.3f; next policy %s", r, row["reward mean"], current)
     return current
 
@@ -226,7 +226,7 @@ def resident_rounds(settings: GrpoSettings, rows: list[dict], clock: FlowClock, 
             table.append(row | {"staleness": r - policy.version, "wait s": round(t_wait, 2),
                                 "round s": round(time.perf_counter() - t0, 2)})
             round_table(card, table, trainer, asynchronous=k > 0)
-            reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table])
+            reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table], settings.rounds)
             logger.info("round %d: reward %.3f, sampled from policy version %d; handed to the trainer", r,
                         row["reward mean"], job.recorded_version(policy))
     last, _ = job.finish(settings.rounds)  # every round's checkpoint, then the job's end (or its reason)

@@ -26,6 +26,7 @@ from posttrain.pipeline.tasks.report import size_column, snapshots_table, traini
 from posttrain.pipeline.tasks.retention import collect_garbage
 from posttrain.pipeline.tasks.staging import stage
 from posttrain.pipeline.tasks.training import cancel_submitted, run_job, stops_jobs_when_cancelled
+from posttrain.words import plural
 
 
 def snapshot_row(step: int, snapshot) -> dict:
@@ -94,7 +95,7 @@ def nightly_post_training(settings: NightlySettings) -> NightlyReport:
     result = job.result()
     update_progress_artifact(progress, 100.0)
     snapshots_table(card, rows, trainer)
-    logger.info("nightly run %s: %d checkpoints published, final step %s", settings.run_name, len(rows),
+    logger.info("nightly run %s: %s published, final step %s", settings.run_name, plural(len(rows), "checkpoint"),
                 result.global_step)
     with clock.wait("promotion"):
         promotion = promote_last(settings, rows) if settings.promote_to and rows else None

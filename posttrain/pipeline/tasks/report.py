@@ -20,6 +20,8 @@ from prefect.artifacts import (
 )
 from prefect.runtime import flow_run
 
+from posttrain.words import plural
+
 
 def artifact_key(*parts: object) -> str:
     """Artifact keys: lowercase letters, digits and dashes."""
@@ -125,7 +127,7 @@ def round_table(run_name: str, rows: list[dict], trainer=None, *, asynchronous: 
 
 
 def snapshots_table(run_name: str, rows: list[dict], trainer=None) -> None:
-    key = artifact_key(run_name, "nightly-snapshots")
+    key = artifact_key(run_name, "snapshots")  # the run name says nightly already: no nightly-nightly-snapshots
     description = "Checkpoints of the nightly run: snapshot, size, publish and hot-load times" + tensorboard_line(trainer)
     _upsert(key, "table", json.dumps(rows), description,
             lambda: create_table_artifact(rows, key=key, description=description))
@@ -136,7 +138,7 @@ def goodput_table(run_name: str, goodput) -> None:
     key = artifact_key(run_name, "goodput")
     rows = goodput.rows() + [{"category": "wall", "seconds": round(goodput.wall_s, 2), "% of wall": 100.0}]
     description = (f"Goodput {100 * goodput.goodput:.1f}%: the run's wall time by category (docs/goodput.md); "
-                   f"{goodput.attempts} trainer attempts, {goodput.restarts} restarts, "
+                   f"{plural(goodput.attempts, 'trainer attempt')}, {plural(goodput.restarts, 'restart')}, "
                    f"{goodput.lost_redone_s:.1f} s of work redone")
     _upsert(key, "table", json.dumps(rows), description,
             lambda: create_table_artifact(rows, key=key, description=description))
@@ -272,17 +274,22 @@ def reward_curve_svg(means: list[float], stds: list[float]) -> str:
     return "".join(parts)
 
 
-def reward_curve(run_name: str, means: list[float], stds: list[float]) -> str:
-    """The reward curve so far as a keyed artifact, updated in place each round. Markdown with the
-    SVG inline: an image artifact's page would also print the whole data URL, running off the page."""
+def reward_curve(run_name: str, means: list[float], stds: list[float], rounds: int) -> str:
+    """The reward curve so far as a keyed artifact, updated in place each round (of ``rounds``). Markdown
+    with the SVG inline: an image artifact's page would also print the whole data URL, running off the page."""
     svg = reward_curve_svg(means, stds)
     url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
     key = artifact_key(run_name, "reward-curve")
-    description = f"Mean reward per GRPO round ({len(means)} rounds so far)"
+    description = f"Mean reward per GRPO round ({reward_curve_progress(len(means), rounds)})"
     markdown = f"![mean reward per round, with one standard deviation]({url})\n"  # the card shows the description
     _upsert(key, "markdown", markdown, description,
             lambda: create_markdown_artifact(markdown, key=key, description=description))
     return svg
+
+
+def reward_curve_progress(done: int, rounds: int) -> str:
+    """How much of the run the curve shows: "2 of 4 rounds so far", then "4 rounds" once all are in."""
+    return plural(rounds, "round") if done >= rounds else f"{done} of {plural(rounds, 'round')} so far"
 
 
 def comparison_svg(decision) -> str:

@@ -18,6 +18,7 @@ from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.report import gc_table
 from posttrain.pipeline.tasks.retry import transient_only
 from posttrain.publish.gc import GcConfig, GcPlan, GcResult, plan_gc, run_gc
+from posttrain.words import plural
 
 
 def served_roots(inference: list[str]) -> dict[str, str]:
@@ -61,10 +62,11 @@ def collect_garbage(store_ref: str, gc: GcSettings, protect: list[str], *, infer
     for why in result.skipped.values():
         logger.warning("gc skipped %s", why)
     kept = [r.run for r in plan.runs if r.kept]
-    logger.info("gc of %s: %d runs, kept whole: %s; deleted %d snapshots, freed %d bytes", plan.store, len(plan.runs),
-                ", ".join(kept) or "(none)", len(result.deleted), result.freed_bytes)
+    logger.info("gc of %s: %s, kept whole: %s; deleted %s, freed %d bytes", plan.store, plural(len(plan.runs), "run"),
+                ", ".join(kept) or "(none)", plural(len(result.deleted), "snapshot"), result.freed_bytes)
     rows = [{"run": d.run, "identity": d.identity, "kind": d.kind, "step": d.step, "bytes": d.bytes}
             for d in result.deleted]
-    gc_table(card or store_ref, rows, f"gc of {plan.store}: {len(rows)} snapshots deleted, {result.freed_bytes} bytes "
+    gc_table(card or store_ref, rows, f"gc of {plan.store}: {plural(len(rows), 'snapshot')} deleted, "
+             f"{result.freed_bytes} bytes "
              f"freed; runs kept whole: {', '.join(kept) or '(none)'}; skipped: {', '.join(result.skipped) or 'none'}")
     return summary(plan, result)

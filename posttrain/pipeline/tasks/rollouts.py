@@ -14,6 +14,7 @@ from posttrain.pipeline.tasks.blocks import load_block
 from posttrain.pipeline.tasks.retry import transient_only
 from posttrain.rollouts.shard import RolloutSettings, ShardResult, ShardSpec, run_shard
 from posttrain.rollouts.tokenizers import shard_tokenizer
+from posttrain.words import plural
 
 # The shards of a round load the inference block once per process (one API call instead of one
 # per shard): keyed by the block and the round's folder, which names the run and the round.
@@ -41,8 +42,9 @@ def sample_and_score(spec: ShardSpec, settings: RolloutSettings, inference: str,
         result = run_shard(spec, settings, client, tokenizer)
     finally:
         client.close()
-    get_run_logger().info("shard %d of round %d: %d samples, reward %.3f ± %.3f (policy v%d, snapshot %s; ran in %s)",
-                          spec.shard, spec.round, result.samples, result.reward_mean, result.reward_std,
+    get_run_logger().info("shard %d of round %d: %s, reward %.3f ± %.3f (policy v%d, snapshot %s; ran in %s)",
+                          spec.shard, spec.round, plural(result.samples, "sample"), result.reward_mean,
+                          result.reward_std,
                           result.policy_version, result.snapshot_identity or "unknown", result.worker)
     return result
 
