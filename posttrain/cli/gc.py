@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from posttrain.cli.s3_args import add_s3_options, s3_options
+from posttrain.words import plural
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,22 +91,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"{store.uri}: no runs with published snapshots; nothing to do")
             return 0
         kept = [r.run for r in plan.runs if r.kept]
-        print(f"{store.uri}: {len(plan.runs)} runs; kept whole: {', '.join(kept) or '(none)'}")
+        print(f"{store.uri}: {plural(len(plan.runs), 'run')}; kept whole: {', '.join(kept) or '(none)'}")
         _print_roots(plan)
         if not plan.doomed:
             print("nothing to delete")
             return 0
         console.print(_table(plan, human_bytes))
         if args.dry_run:
-            print(f"dry run: {len(plan.doomed)} snapshots, {human_bytes(plan.total_bytes)} ({plan.total_bytes} "
-                  "bytes) would be freed; nothing was deleted")
+            print(f"dry run: {plural(len(plan.doomed), 'snapshot')}, {human_bytes(plan.total_bytes)} "
+                  f"({plan.total_bytes} bytes) would be freed; nothing was deleted")
             return 0
         with progress_bar("deleting", plan.total_bytes) as advance:
             result = run_gc(store, plan, progress=lambda d: advance(d.bytes))
     for run, why in result.skipped.items():
         print(f"skipped {why}")
     freed = result.freed_bytes
-    print(f"deleted {len(result.deleted)} snapshots, freed {human_bytes(freed)} ({freed} bytes)")
+    print(f"deleted {plural(len(result.deleted), 'snapshot')}, freed {human_bytes(freed)} ({freed} bytes)")
     return 0
 
 
@@ -125,5 +126,5 @@ def _table(plan, human_bytes):  # noqa: ANN001, ANN202 - a GcPlan and chain.huma
         table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
     for d in plan.doomed:
         table.add_row(d.run, d.identity, d.kind, str(d.step), human_bytes(d.bytes))
-    table.caption = f"total: {len(plan.doomed)} snapshots, {human_bytes(plan.total_bytes)} freed"
+    table.caption = f"total: {plural(len(plan.doomed), 'snapshot')}, {human_bytes(plan.total_bytes)} freed"
     return table

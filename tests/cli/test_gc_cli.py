@@ -61,6 +61,15 @@ def test_gc_deletes_and_reports_what_it_freed(three_runs):
     assert again.returncode == 0 and again.stdout.splitlines()[-1] == "nothing to delete"
 
 
+def test_one_run_and_one_snapshot_are_said_in_the_singular(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    done = publish_runs(store, tmp_path / "runs", runs=2, steps=1)
+    proc = posttrain("gc", "--store", store.uri, "--keep-runs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("deleted 1 snapshot, freed "), proc.stdout  # not "1 snapshots"
+    assert snapshots_in(store) == set(done.identities("night-1"))
+
+
 def test_a_run_being_published_is_skipped_and_named(three_runs, tmp_path):
     store, done = three_runs
     with publishing(store, "night-0", tmp_path / "work"):
