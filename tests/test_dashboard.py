@@ -5,7 +5,6 @@ exports, while every family the server exports is on it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import time
@@ -15,6 +14,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.scripts import load_script
 from tests.support.serving import PREFIX, TOKEN, Api
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +32,7 @@ CREATED = "_created"
 
 
 def generator():
-    spec = importlib.util.spec_from_file_location("grafana_dashboard", ROOT / "scripts" / "grafana_dashboard.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("grafana_dashboard")
 
 
 @pytest.fixture(scope="module")

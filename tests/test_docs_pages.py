@@ -4,22 +4,20 @@ page that differs from what the script writes fails here, naming the command tha
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python scripts/docs_pages.py"
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("docs_pages", ROOT / "scripts" / "docs_pages.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs_pages")
 
 
 @pytest.fixture(scope="module")
