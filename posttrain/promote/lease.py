@@ -28,9 +28,12 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 
+from posttrain import redact
 from posttrain.promote.history import check_deployment
 from posttrain.storage import StorageError, Store
-from posttrain.storage.lease import LeaseBusy, LeaseRecord, StoreLease, live_lease
+from posttrain.storage.lease import LeaseBusy, LeaseLost, LeaseRecord, StoreLease, live_lease
+
+log = redact.logger(__name__)  # a store error may carry a URL
 
 DEPLOYMENTS = ".posttrain/deployments/"
 LEASE_NAME = "lease.json"
@@ -98,9 +101,12 @@ class DeploymentLease(StoreLease):
         while not stop.wait(self.ttl / 4):
             try:
                 self.renew()
-            except (StorageError, OSError) as e:  # LeaseLost is a StorageError
+            except LeaseLost as e:  # taken over, or not renewed within the TTL: the holder must stop
                 self._lost = e
                 return
+            except (StorageError, OSError) as e:  # one failed write: the lease holds until its deadline, try again
+                log.warning("deployment %s: renewing its lease failed (%s); trying again in %gs", self.deployment,
+                            e, self.ttl / 4)
 
 
 @contextlib.contextmanager

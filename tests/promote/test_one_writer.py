@@ -186,3 +186,31 @@ def test_gc_skips_a_run_while_a_deployment_is_being_changed(site):
     assert result.deleted == [] and result.skipped["night-0"].startswith(
         "run night-0: deployment prod is being changed (rollback pid ")
     assert run_gc(site.store, plan_gc(site.store, GcConfig(keep_runs=1))).skipped == {}  # released: the next gc runs
+
+
+def test_a_renewal_that_fails_once_is_tried_again_and_the_lease_stays_held(tmp_path):
+    """One failed write of the renewer (an S3 hiccup) does not end the renewals: the lease is still
+    renewed after it and the holder can go on (it was lost for good at the first error)."""
+    import threading
+    import time
+
+    from posttrain.storage import StorageError
+
+    class Hiccup(LocalStore):
+        renewals = 0
+
+        def put_bytes(self, key, data, **kw):
+            if kw.get("if_match"):
+                Hiccup.renewals += 1
+                if Hiccup.renewals == 1:
+                    raise StorageError("503 Slow Down")
+            return super().put_bytes(key, data, **kw)
+
+    store = Hiccup(tmp_path / "store")
+    with holding(store, "prod", "rollback", run="r1", ttl=8.0) as lease:  # renewed every 2 s
+        deadline = time.monotonic() + 60
+        while Hiccup.renewals < 3:  # renewed every ttl/4: the failed one, then two that worked
+            assert time.monotonic() < deadline, f"{Hiccup.renewals} renewals"
+            time.sleep(0.05)
+        lease.check()  # raises if the renewer gave up
+        assert any(t.name == "lease-prod" for t in threading.enumerate())
