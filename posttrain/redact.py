@@ -126,7 +126,9 @@ def secret_name(name: str) -> bool:
 
 
 def _secret_param(name: str) -> bool:
-    return secret_name(name) or re.sub(r"[-.]", "_", name.upper()) in QUERY_SECRETS
+    # NOT_SECRET's PWD is the shell's working folder; in a URL's query, pwd= is a password
+    upper = re.sub(r"[-.]", "_", name.upper())
+    return secret_name(name) or upper in QUERY_SECRETS or upper in NOT_SECRET
 
 
 def _mask_query(url: re.Match) -> str:

@@ -39,6 +39,7 @@ def test_a_url_without_userinfo_is_left_as_it_is(text: str) -> None:
     ("GET https://b.s3.x/k?X-Amz-Credential=AKIA1%2F2&X-Amz-Signature=0a1b2c failed",
      "GET https://b.s3.x/k?X-Amz-Credential=***&X-Amz-Signature=*** failed", "query parameter X-Amz-Credential"),
     ("http://gw:8000/v1?api_key=xyz123", "http://gw:8000/v1?api_key=***", "query parameter api_key"),
+    ("https://h/x?user=a&pwd=hunter22222", "https://h/x?user=a&pwd=***", "query parameter pwd"),  # not the shell's PWD
 ])  # fmt: skip
 def test_credentials_in_connection_strings_and_queries_are_found_and_masked(text: str, scrubbed: str,
                                                                            why: str) -> None:
