@@ -191,6 +191,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     from posttrain.inference.hotload import CoreWeaveHotLoader
     from posttrain.promote.history import HistoryError
     from posttrain.promote.promoter import PREVIOUS, Deployment, OperationLost, PromotionError, SwitchFailed, rollback
+    from posttrain.storage.lease import LeaseLost
 
     t0 = time.monotonic()
     handler = logging.StreamHandler(sys.stderr)  # the hot-load client's warnings (retries, a fallback): one line each
@@ -229,7 +230,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
                                 reason=args.reason, seen_champion=champion)
         except PromotionError as e:  # the history changed since the checks above
             raise UsageError(str(e) if str(e).startswith("--to") else f"--to {args.to}: {e}") from None
-        except (OperationLost, SwitchFailed) as e:  # another operation won; or the hot-load failed, and was reverted
+        except (OperationLost, SwitchFailed, LeaseLost) as e:  # another operation won; the hot-load failed and was
+            # reverted; or its lease was lost mid-switch (the next operation makes production serve the champion)
             print(redact.scrub(f"posttrain: error: rollback of {deployment} to {target}: {e}"), file=sys.stderr)
             return 1
         except HotLoadError as e:  # a retry's hot-load of the champion
@@ -238,7 +240,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
             return 1
         except HistoryError as e:
             print(redact.scrub(f"posttrain: error: the rollback of {deployment} to {target} could not be recorded: "
-                               f"{' '.join(str(e).split())}; nothing was hot-loaded"), file=sys.stderr)
+                               f"{' '.join(str(e).split())}; {target} was not hot-loaded"), file=sys.stderr)
             return 1
     record = done.record
     print(f"{deployment} serves {record.identity} now (previous champion: {record.previous or 'none'}); "

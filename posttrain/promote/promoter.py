@@ -313,6 +313,7 @@ def promote(*, store: Store, candidate: str, run: str | None, gate: GateConfig, 
         record = Record(kind=kind, deployment=production.name, identity=candidate, previous=champion, run=run,
                         decision=decision, reason=reason)
         if not decision.accepted:
+            lease.mark(None)  # proves the lease still ours (a conditional write) before the refusal is recorded
             return Promotion(decision, history.append(record), cand, champ, None, failures)
         lease.mark(candidate)  # before the record: a holder killed from here on is repaired by the next one
         record = history.append(record)
