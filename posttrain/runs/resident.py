@@ -173,7 +173,10 @@ def keep_rounds_alive(rounds_dir: str | Path, every: float) -> Iterator[None]:
         yield
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=every + 30)  # a write hung on a dead mount must not hold the flow (a daemon thread)
+        if thread.is_alive():
+            log.warning("the rounds' heartbeat thread is still writing %ss after it was stopped; left behind",
+                        every + 30)
 
 
 @dataclass(frozen=True)

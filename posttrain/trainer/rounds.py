@@ -152,6 +152,8 @@ class HeartbeatWatch:
             return self.path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError:  # read across the flow's rename over it (ESTALE on NFS): no change seen this time
+            return getattr(self, "_seen", None)
 
     def age(self) -> float:
         """Look at the heartbeat now; seconds since it last changed (or since the watch started)."""
