@@ -253,3 +253,12 @@ def test_the_decision_round_trips_as_json_and_renders_as_a_table() -> None:
     assert "| Champion | `step-1` |" in table and "| Prompts x samples | 16 x 4 |" in table
     assert f"| 95% lower bound of the difference (one-sided) | {d.lower_bound:+.3f} > +0.020 (threshold) |" in table
     assert table[-1] == f"| Reason | {d.reason} |"
+
+
+@pytest.mark.parametrize(("confidence", "fewest"), [(0.95, 6), (0.999, 11)])
+def test_a_min_prompts_that_could_never_accept_is_refused(confidence, fewest):
+    """With K prompts all in the candidate's favour the sign-flip p-value is 2^-K: below the fewest
+    that can reach the confidence the gate could only refuse, so the setting is refused, naming it."""
+    GateConfig(confidence=confidence, min_prompts=fewest)
+    with pytest.raises(ValidationError, match="min_prompts"):
+        GateConfig(confidence=confidence, min_prompts=fewest - 1)
