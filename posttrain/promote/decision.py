@@ -20,8 +20,10 @@ The rule, exactly as implemented (docs/promotion.md, "The decision rule"):
    accepts when LB > margin; non-inferiority when LB > -margin. Anything else (LB equal to the
    threshold included) is a refusal. The percentile bootstrap this replaced was liberal on few
    prompts (8.2% false accepts at K = 8 for 5% nominal); the test holds its level at every K
-   (docs/promotion.md, "Calibration", measured by bench/gate_calibration.py and
-   tests/promote/test_gate_calibration.py).
+   when the two sides are exchangeable, i.e. at margin 0 (docs/promotion.md, "Calibration",
+   measured by bench/gate_calibration.py and tests/promote/test_gate_calibration.py). At a margin
+   above 0 it assumes the differences shifted by the margin are symmetric, which bounded rewards
+   need not be: that case is not calibrated yet.
 4. Reported with it: both means with two-sided ``confidence`` percentile bootstrap intervals (the
    (B, K) prompt indices ``rng.integers(0, K, (B, K))`` of ``rng = numpy.random.default_rng(seed)``,
    in row chunks), the mean difference with its two-sided interval from the same flips (the test
