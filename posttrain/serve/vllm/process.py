@@ -18,6 +18,7 @@ import atexit
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,9 @@ VLLM_ENV = {
 # Of the caller's environment, these would point vLLM's Python at the project's packages.
 DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
 LOG_TAIL_LINES = 40
+# vLLM imports the readback extension by this name, from a folder of its own on its PYTHONPATH
+READBACK_MODULE = "posttrain_readback"
+READBACK_CLS = f"{READBACK_MODULE}.WeightReadback"
 ERROR_LINE = re.compile(r"\b[A-Za-z.]*(?:Error|Exception): .*")  # "RuntimeError: Unsupported CPU attention ..."
 
 
@@ -81,6 +85,14 @@ class VLLMProcessConfig(BaseModel):
     max_loras: int = Field(2, ge=2, description="vLLM's --max-loras with LoRA on: the served adapter and the next "
                            "one, resident together while a hot-load switches.")
     extra_args: list[str] = Field(default_factory=list, description="More command-line arguments for vLLM.")
+    worker_extension: str = Field(
+        READBACK_CLS, description="vLLM's --worker-extension-cls: the class that reads back, inside the worker, "
+        "the digests of the weights it holds (posttrain.serve.vllm.readback_extension, or a subclass)."
+    )
+    extension_path: list[Path] = Field(
+        default_factory=list, description="Folders put on vLLM's PYTHONPATH ahead of the readback extension's "
+        "(where a worker_extension other than the default is found)."
+    )
     log_file: Path | None = Field(
         None, description="Where vLLM's output goes, appended (default: a file named after the port in /tmp)."
     )
@@ -152,6 +164,7 @@ class VLLMProcess:
             "--served-model-name", c.served_model_name, "--host", HOST, "--port", str(self.port),
             "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--enforce-eager",
             "--max-num-seqs", str(c.max_num_seqs), "--max-logprobs", str(c.max_logprobs),
+            "--worker-extension-cls", c.worker_extension,
             *(["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
               if c.max_lora_rank else []),
             *c.extra_args,
@@ -170,6 +183,7 @@ class VLLMProcess:
             raise EngineStartError(f"port {self.port} on {HOST} is taken by another process")
         env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
         env.update(VLLM_ENV, VLLM_CPU_KVCACHE_SPACE=str(self.config.kv_cache_space_gib))
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, self.config.extension_path), str(self._extension_dir())])
         if self.config.max_lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +206,14 @@ class VLLMProcess:
             self.stop()
             raise
         log.info("vLLM ready at %s in %.1f s", self.url, time.monotonic() - t0)
+
+    def _extension_dir(self) -> Path:
+        """A folder holding only the readback extension, as ``posttrain_readback``: what vLLM's PYTHONPATH
+        gets (never the project's packages, which vLLM's venv does not have)."""
+        folder = self.log_file.parent / f"posttrain-vllm-{self.port}-pythonpath"
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(__file__).with_name("readback_extension.py"), folder / f"{READBACK_MODULE}.py")
+        return folder
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> None:
         client = VLLMClient(self.url)
