@@ -44,8 +44,9 @@ DEFAULT_FINGERPRINT_TOLERANCE = 5e-2
 
 
 def distance(a: list[float], b: list[float]) -> float:
-    """Largest |difference| of two fingerprints; infinite when they have other lengths (other tokens)."""
-    if len(a) != len(b):
+    """Largest |difference| of two fingerprints; infinite when they have other lengths (other tokens) or
+    either holds NaN or an infinity (a NaN difference compares below every tolerance: it would pass)."""
+    if len(a) != len(b) or not all(math.isfinite(x) for x in (*a, *b)):
         return math.inf
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
