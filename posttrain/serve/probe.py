@@ -14,6 +14,7 @@ engine imports here; torch only inside :func:`score_with_model`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +75,30 @@ def _differences(scored: list[list[float]], probe: Probe, what: str) -> list[flo
     for i, (got, want) in enumerate(zip(scored, probe.logprobs, strict=True)):
         if len(got) != len(want):
             raise ValueError(f"{what}: probe prompt {i} has {len(want)} completion tokens, {len(got)} were scored")
-        out.append(max(abs(float(g) - w) for g, w in zip(got, want, strict=True)))
+        # NaN or an infinity on either side is infinitely far: a NaN difference compares below any tolerance
+        out.append(max((abs(float(g) - w) if math.isfinite(g) and math.isfinite(w) else math.inf
+                        for g, w in zip(got, want, strict=True))))
     return out
+
+
+def _first_non_finite(rows: list[list[float]]) -> tuple[int, float] | None:
+    """The first prompt whose row holds NaN or an infinity, with that value; None when all are finite."""
+    for i, row in enumerate(rows):
+        for x in row:
+            if not math.isfinite(x):
+                return i, float(x)
+    return None
+
+
+def _non_finite_name(x: float) -> str:
+    return "NaN" if math.isnan(x) else f"{'-' if x < 0 else ''}infinity"
 
 
 def versions_distance(new: Probe, previous: Probe) -> float:
     """How far apart two versions' expected answers are, where they can be compared: for each
     prompt both probes share, the largest logprob difference over the completion tokens before
     the greedy completions part. 0.0 when nothing is comparable (then the two cannot be told apart
-    from their probes alone)."""
+    from their probes alone); infinite when a compared logprob is NaN or infinite."""
     dist = 0.0
     for p, c, lp in zip(new.prompts, new.completions, new.logprobs, strict=True):
         for q, d, lq in zip(previous.prompts, previous.completions, previous.logprobs, strict=True):
@@ -91,6 +107,8 @@ def versions_distance(new: Probe, previous: Probe) -> float:
             for a, b, x, y in zip(c, d, lp, lq, strict=False):
                 if a != b:
                     break
+                if not (math.isfinite(x) and math.isfinite(y)):
+                    return math.inf
                 dist = max(dist, abs(x - y))
     return dist
 
@@ -121,6 +139,9 @@ def judge(
         tol, dtype = tolerance(engine_dtype), str(engine_dtype).removeprefix("torch.")
     name = f"version {version}" if version else "the new version"
     diffs = _differences(scored_new, new, "the engine's scores")
+    refused = _refuse_non_finite(scored_new, new, scored_previous, previous, name, tol, dtype)
+    if refused is not None:
+        return refused
     worst = max(range(len(diffs)), key=diffs.__getitem__)
     dist_new = diffs[worst]
     if dist_new > tol:
@@ -137,6 +158,26 @@ def judge(
                                   f"{tol:g} for {dtype}): it still holds {prev_name}'s weights", dist_new, tol, worst)
     return Verdict(True, f"the engine's answers are within {dist_new:.3g} of {name}'s (tolerance {tol:g} for {dtype})",
                    dist_new, tol, worst)
+
+
+def _refuse_non_finite(scored_new: list[list[float]], new: Probe, scored_previous: list[list[float]] | None,
+                       previous: Probe | None, name: str, tol: float, dtype: str) -> Verdict | None:
+    """A failed verdict when a logprob to compare is NaN or infinite (no distance to it means anything);
+    None when all are finite."""
+    checks = [(new.logprobs, f"{name}'s expected answer", "its probe cannot say which weights the engine holds"),
+              (scored_new, "the engine's answer", f"it does not hold {name}'s weights")]
+    if previous is not None and scored_previous is not None:
+        checks += [(previous.logprobs, "the previous version's expected answer", "the previous version's probe "
+                    "cannot be compared with"),
+                   (scored_previous, "the engine's answer (scoring the previous version's probe)", "its "
+                    "weights are broken")]
+    for rows, what, meaning in checks:
+        found = _first_non_finite(rows)
+        if found is not None:
+            prompt, value = found
+            return Verdict(False, f"{what} to probe prompt {prompt} is {_non_finite_name(value)} (tolerance {tol:g} "
+                                  f"for {dtype}): {meaning}", math.inf, tol, prompt)
+    return None
 
 
 def score_with_model(model, sequences: list[tuple[list[int], int]]) -> list[list[float]]:

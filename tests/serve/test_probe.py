@@ -4,6 +4,7 @@ through a completions endpoint, and the reference engine refusing weights that d
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from posttrain.chain.probe import PROBE_NAME, Probe, probe_bytes, probe_prompts, write_probe
+from posttrain.serve.holding import distance
 from posttrain.serve.probe import (
     completions_body,
     judge,
@@ -104,6 +106,31 @@ def test_versions_distance_compares_only_the_shared_greedy_prefix():
     new = make_probe(BASE, completions)
     previous = make_probe([[-1.0 - 0.002, -2.0, -9.0], [-9.0, -9.0, -9.0], BASE[2]], other)
     assert versions_distance(new, previous) == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize("bad,shown", [(math.nan, "NaN"), (-math.inf, "-infinity"), (math.inf, "infinity")])
+def test_judge_refuses_nan_and_infinities_wherever_a_distance_is_compared(bad, shown):
+    new, previous = make_probe(BASE), make_probe(shifted(BASE, 0.5))
+    # a NaN difference compares below every tolerance: scores holding one were judged within it
+    scored = [row[:] for row in BASE]
+    scored[1][2] = bad
+    verdict = judge(scored, new, None, None, version="v2")
+    assert not verdict.ok and verdict.prompt == 1 and verdict.max_difference == math.inf
+    assert verdict.reason == (f"the engine's answer to probe prompt 1 is {shown} (tolerance 0.001 for float32): "
+                              "it does not hold version v2's weights")
+    # the expected answers (a Probe refuses them on read; one built around its checks is refused here too)
+    broken = Probe.model_construct(**{**new.model_dump(), "logprobs": scored})
+    verdict = judge(BASE, broken, None, None, version="v2")
+    assert not verdict.ok and f"version v2's expected answer to probe prompt 1 is {shown}" in verdict.reason
+    # the previous version's side of the comparison
+    verdict = judge(BASE, new, scored, previous, version="v2")
+    assert not verdict.ok and f"(scoring the previous version's probe) to probe prompt 1 is {shown}" in verdict.reason
+    broken_previous = Probe.model_construct(**{**previous.model_dump(), "logprobs": scored})
+    assert versions_distance(new, broken_previous) == math.inf
+    assert not judge(BASE, new, BASE, broken_previous).ok
+    # the gateway's fingerprints of a replica: NaN on either side is infinitely far
+    assert distance([-1.0, bad], [-1.0, -2.0]) == distance([-1.0, -2.0], [-1.0, bad]) == math.inf
+    assert distance([-1.0, -2.0], [-1.0, -2.0 + 1e-6]) == pytest.approx(1e-6)
 
 
 def test_judge_checks_the_shape_of_the_scores():
