@@ -14,7 +14,9 @@ it is up to whoever runs it.
   reply the OpenAI shape the gateway returns, with SGLang's ``meta_info.weight_version``;
 - ``pause``: ``POST /pause_generation {"mode": "abort"}``; ``reload``: ``POST
   /update_weights_from_disk`` (``weight_version`` = the folder's name); ``resume``: ``POST
-  /continue_generation``.
+  /continue_generation``;
+- ``read_layout``/``read_held``: parameters read back through ``/get_weights_by_name``, hashed here
+  (``sglang_readback``).
 
 Pause mode: none of SGLang's lets in-flight requests finish on the old weights. ``abort`` ends them
 (their reply says so and the gateway answers 503); ``in_place``/``retract`` continue them on the new
@@ -34,6 +36,7 @@ from posttrain.serve.http_client import HTTPEngineClient
 from posttrain.serve.remote import RemoteEngine, Replica
 from posttrain.serve.sampler import SampledChoice
 from posttrain.serve.serve_config import ServeConfig
+from posttrain.serve.sglang_readback import READBACK_MAX_ELEMENTS, SGLangReadback
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,16 @@ NO_LIMIT = 1 << 31  # SGLang checks token ids and lengths itself
 PAUSE_MODE = "abort"  # see the module doc
 
 
-class SGLangClient(HTTPEngineClient):
-    """One SGLang server at ``url`` (e.g. ``http://sglang-host:30000``), an ``EngineClient``."""
+class SGLangClient(SGLangReadback, HTTPEngineClient):
+    """One SGLang server at ``url`` (e.g. ``http://sglang-host:30000``), an ``EngineClient``. ``model_dir``:
+    the model it serves, as the gateway reads it (for the readback: the dtype ``--dtype auto`` became and the
+    size of a tensor before asking for it)."""
+
+    def __init__(self, url: str, *, timeout: float = 60.0, model_dir: Path | None = None,
+                 readback_max_elements: int = READBACK_MAX_ELEMENTS) -> None:
+        super().__init__(url, timeout=timeout)
+        self.model_dir = model_dir
+        self.readback_max_elements = readback_max_elements
 
     def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``GET /get_model_info`` answers 200: the server is up (it does not generate)."""
@@ -150,7 +161,7 @@ def open_sglang_engine(config: ServeConfig) -> RemoteEngine:
     name = config.served_model_name or config.model_dir.resolve().name
     replicas: list[Replica] = []
     for i, url in enumerate(config.engine_urls):
-        client = SGLangClient(url)
+        client = SGLangClient(url, model_dir=config.model_dir)
         try:
             info = client.model_info()
         except EngineCallError as e:

@@ -22,6 +22,8 @@ Routes::
     GET|POST /flush_cache               200 text; 400 text while paused in place with requests held
     POST|PUT /generate                  input_ids (or text), sampling_params (one, or one per
                                         prompt of a batch), return_logprob
+    GET|POST /get_weights_by_name       {"name", "truncate_size"}: values held now (``fake_sglang_weights``)
+    GET  /get_server_info               server args: model_path, dtype (``--dtype``), tp/dp size, ...
 
 The "model" (``fake_sglang_model``) is a folder of ``*.safetensors`` files plus a version string. An update
 checks the new folder the way SGLang observably does: a missing folder fails with
@@ -37,14 +39,13 @@ a later pause with mode ``abort`` answers the waiting ones with ``finish_reason`
 
 Test hooks: ``requests`` (log of (method, path, body)), ``fail_next(route, status, body)``,
 ``set_healthy(False)``, ``die()`` (stop answering: the listening socket and open connections are closed),
-``held`` (number of /generate calls waiting while generation is paused).
+``held`` (number of /generate calls waiting while generation is paused), ``weights`` (what the model
+holds, with its injections: a dropped tensor, a cached reload, other weights, NaN).
 
-Not modelled: real inference or tokenization (``text`` prompts are turned into bytes as
-token ids), streaming (``stream: true`` is refused with 400), batching limits, the KV/radix
-cache, data parallelism (``dp_size > 1`` merges per-rank results), ``/v1/*`` OpenAI routes,
-tensor values (only names and shapes are compared; SGLang would also fail on a dtype it
-cannot cast, or partly load a folder missing some tensors), the time a real load takes,
-API keys, and the multi-tokenizer mode.
+Not modelled: real inference or tokenization (``text`` prompts are turned into bytes as token ids),
+streaming (``stream: true`` is refused with 400), batching limits, the KV/radix cache, data, tensor and pipeline parallelism, ``/v1/*`` OpenAI routes, an update's dtype checks (only
+names and shapes are compared; SGLang would also fail on a dtype it cannot cast, or partly load a folder
+missing some tensors), the time a real load takes, API keys, and the multi-tokenizer mode.
 """
 
 from __future__ import annotations
@@ -60,12 +61,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from posttrain.testing.fake_sglang_model import (
-    DEFAULT_MAX_NEW_TOKENS,
-    check_update,
-    one_output,
-    safetensors_shapes,
-)
+from posttrain.testing.fake_sglang_model import DEFAULT_MAX_NEW_TOKENS, check_update, one_output, safetensors_shapes
+from posttrain.testing.fake_sglang_model import validation_error as _validation_error
+from posttrain.testing.fake_sglang_weights import HeldWeights
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 FLUSH_OK = (
@@ -110,11 +108,14 @@ class FakeSGLang:
         weight_version: str = "default",
         port: int = 0,
         generate_wait_s: float = 30.0,
+        dtype: str = "auto",
     ) -> None:
         folder = Path(model_path)
         if not folder.is_dir():
             raise ValueError(f"FakeSGLang model_path {str(folder)!r}: not a folder")
         self._state = _State(str(folder), weight_version, safetensors_shapes(folder))
+        self._dtype = dtype  # SGLang's --dtype
+        self.weights = HeldWeights(folder, dtype)  # what the model holds; test injections on it
         self._cond = threading.Condition()
         self._log: list[RequestRecord] = []
         self._generate_wait_s = generate_wait_s
@@ -203,10 +204,10 @@ class FakeSGLang:
             queue = self._state.failures.get(path)
             return queue.pop(0) if queue else None
 
-    def _health(self) -> tuple[int, Any]:
+    def _health(self, _: object = None) -> tuple[int, Any]:
         return (200 if self._state.healthy else 503), b""
 
-    def _model_info(self) -> tuple[int, Any]:
+    def _model_info(self, _: object = None) -> tuple[int, Any]:
         s = self._state
         return 200, {
             "model_path": s.model_path,
@@ -215,6 +216,9 @@ class FakeSGLang:
             "preferred_sampling_params": None,
             "weight_version": s.weight_version,
         }
+
+    def _weight_version(self, _: object = None) -> tuple[int, Any]:
+        return 200, {"weight_version": self.weight_version}
 
     def _update_weight_version(self, body: Mapping[str, Any]) -> tuple[int, Any]:
         if "new_version" not in body:
@@ -233,11 +237,21 @@ class FakeSGLang:
             if ok:
                 self._state.model_path = str(folder)
                 self._state.shapes = new
+                self.weights.reload(folder)
                 version = body.get("weight_version")
                 if version is not None:
                     self._state.weight_version = str(version)
                     message += f" Weight version updated to {version}."
         return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
+
+    def _weights_by_name(self, body: Mapping[str, Any]) -> tuple[int, Any]:
+        with self._cond:
+            return self.weights.route(body)
+
+    def _server_info(self, _: object = None) -> tuple[int, Any]:
+        s = self._state  # a few of SGLang's server args (dataclasses.asdict(server_args), ...)
+        return 200, {"model_path": s.model_path, "tokenizer_path": s.model_path, "dtype": self._dtype, "tp_size": 1,
+                     "dp_size": 1, "pp_size": 1, "quantization": None, "weight_version": s.weight_version}
 
     def _pause(self, body: Mapping[str, Any]) -> tuple[int, Any]:
         mode = body.get("mode", "abort")
@@ -251,14 +265,14 @@ class FakeSGLang:
             self._cond.notify_all()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
-    def _continue(self) -> tuple[int, Any]:
+    def _continue(self, _: object = None) -> tuple[int, Any]:
         with self._cond:
             self._state.paused = False
             self._state.pause_mode = None
             self._cond.notify_all()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
-    def _flush_cache(self) -> tuple[int, Any]:
+    def _flush_cache(self, _: object = None) -> tuple[int, Any]:
         with self._cond:
             busy = self._state.paused and self._state.pause_mode == "in_place" and self._state.held > 0
         return (400 if busy else 200), FLUSH_OK.encode()
@@ -300,16 +314,14 @@ class FakeSGLang:
         return 200, (outs if batch else outs[0])
 
 
-def _validation_error(detail: str) -> tuple[int, Any]:
-    # http_server.py validation_exception_handler: 400 with an OpenAI-style ErrorResponse
-    return 400, {"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400}
-
-
 ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/health"): "health",
     ("GET", "/health_generate"): "health",
     ("GET", "/get_model_info"): "model_info",
     ("GET", "/get_weight_version"): "weight_version",
+    ("GET", "/get_server_info"): "server_info",
+    ("GET", "/get_weights_by_name"): "weights_by_name",
+    ("POST", "/get_weights_by_name"): "weights_by_name",
     ("POST", "/update_weight_version"): "update_weight_version",
     ("POST", "/update_weights_from_disk"): "update_weights_from_disk",
     ("POST", "/pause_generation"): "pause",
@@ -371,18 +383,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             self._send(*_validation_error("body: expected a JSON object"))
             return
-        handlers = {
-            "health": fake._health,
-            "model_info": fake._model_info,
-            "weight_version": lambda: (200, {"weight_version": fake.weight_version}),
-            "update_weight_version": lambda: fake._update_weight_version(body),
-            "update_weights_from_disk": lambda: fake._update_weights_from_disk(body),
-            "pause": lambda: fake._pause(body),
-            "continue": fake._continue,
-            "flush_cache": fake._flush_cache,
-            "generate": lambda: fake._generate(body),
-        }
-        self._send(*handlers[route]())
+        self._send(*getattr(fake, f"_{route}")(body))  # each route method takes the body
 
     def _send(self, status: int, body: Any) -> None:
         if isinstance(body, bytes):

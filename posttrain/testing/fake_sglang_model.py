@@ -49,6 +49,11 @@ def check_update(path: str, current: dict[str, list[int]]) -> tuple[bool, str, d
     return True, "Succeeded to update model weights.", new
 
 
+def validation_error(detail: str) -> tuple[int, Any]:
+    """http_server.py validation_exception_handler: 400 with an OpenAI-style ErrorResponse."""
+    return 400, {"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400}
+
+
 def one_output(
     rid: str, prompt: list[int], max_new: int, folder: str, version: str, logprobs: bool, aborted: bool
 ) -> dict[str, Any]:
