@@ -60,8 +60,32 @@ class HttpError(_Fault):
     retry_after: float | None = Field(None, ge=0, description="Retry-After header, in seconds.")
 
 
+class StaleWeights(_Fault):
+    """Reference engine: the next hot-load (of ``identity``, when given) leaves the loaded model holding
+    the PREVIOUS version's values: every tensor (an engine that did not take the update), or only those
+    named in ``tensors`` (an engine that dropped a tensor: it keeps the value it held). The engine's
+    readback must refuse the load."""
+
+    kind: Literal["stale_weights"]
+    identity: str | None = Field(None, description="Only the hot-load of this snapshot identity.")
+    tensors: list[str] | None = Field(None, min_length=1, description="Only these parameters keep the previous "
+                                      "values (default: all of them).")
+
+
+class CachedWeights(_Fault):
+    """Reference engine: the next hot-load (of ``identity``, when given) serves weights loaded from
+    another folder than the one it was given (an engine re-serving weights it cached): ``folder``, or
+    the folder of the version served now. The engine's readback must refuse the load."""
+
+    kind: Literal["cached_weights"]
+    identity: str | None = Field(None, description="Only the hot-load of this snapshot identity.")
+    folder: str | None = Field(None, description="The folder whose weights are served instead (default: the "
+                               "version served now).")
+
+
 Fault = Annotated[
-    Union[FailHotLoad, ReplicaError, DropCreateReply, DelayHotLoad, HttpError], Field(discriminator="kind")
+    Union[FailHotLoad, ReplicaError, DropCreateReply, DelayHotLoad, HttpError, StaleWeights, CachedWeights],
+    Field(discriminator="kind"),
 ]
 FAULT_LIST = TypeAdapter(list[Fault])
 
@@ -86,11 +110,13 @@ class FaultBox:
             return [f.model_dump() for f in self._faults]
 
     def take(self, kind: str, *, snapshot_type: str | None = None, method: str | None = None,
-             path: str | None = None):
+             path: str | None = None, identity: str | None = None):
         """The first pending fault of ``kind`` matching the event, used up once; None if none."""
         with self._lock:
             for fault in self._faults:
                 if fault.kind != kind:
+                    continue
+                if getattr(fault, "identity", None) not in (None, identity):
                     continue
                 if isinstance(fault, FailHotLoad) and fault.snapshot_type not in (None, snapshot_type):
                     continue

@@ -1,20 +1,27 @@
-"""The served model and its atomic swap.
+"""The served model, its atomic swap, and the digests that prove what it holds.
 
 Requests take a reference to the current ``ServedModel`` when they start and keep it to the
 end; a hot-load builds the new model beside it and swaps the reference under a lock, so a
 request never sees two versions and in-flight requests finish on the weights they began with.
+
+What a model holds is read back from its own parameters (``read_held``: xxh3-128 of each
+``state_dict`` tensor as it sits in memory) and compared exactly with what the checkpoint
+folder's bytes say it must hold in that dtype (``read_back``, ``posttrain.serve.weight_digest``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from posttrain.chain.checkpoint import INDEX_NAME
+from posttrain.chain.errors import ChainError
+from posttrain.serve.weight_digest import Expected, HeldTensor, compare, digest, dtype_name, held_expected
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,8 @@ class ServedModel:
     identity: str | None  # the snapshot it holds; None for boot weights that record none
     path: Path  # the checkpoint folder it was loaded from (the held base of the next delta)
     layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(repr=False)
+    # each state_dict tensor as it must be held (dtype, shape, digest): read back once, at load
+    expected: Mapping[str, Expected] = field(default_factory=dict, repr=False, compare=False)
 
 
 class ModelSlot:
@@ -103,3 +112,72 @@ def load_served(path: Path, device: torch.device, *, like: ServedModel | None = 
             raise LayoutMismatch(f"the snapshot's tensors do not fit the served model (first differences: "
                                  f"{changed[:5]})")
     return ServedModel(model, identity if identity is not None else recorded_version(path), path, layout)
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or infinity. Its sum is finite only then (or overflows: then counted
+    exactly): one pass over memory, on the CPU ten times faster than ``isfinite(t).all()``."""
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def read_held(model: torch.nn.Module, *, check_finite: bool = True) -> dict[str, HeldTensor]:
+    """Each ``state_dict`` tensor as ``model`` holds it now (dtype, shape, digest, finite: not looked at
+    without ``check_finite``, for digests compared with some already found finite). Tensors that are one
+    (a tied LM head and the embeddings) are hashed once."""
+    out: dict[str, HeldTensor] = {}
+    seen: dict[tuple, HeldTensor] = {}
+    for name, t in model.state_dict().items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        held = seen.get(key)
+        if held is None:
+            held = seen[key] = HeldTensor(dtype_name(t.dtype), tuple(t.shape), digest(t),
+                                          finite(t) if check_finite else True)
+        out[name] = held
+    return out
+
+
+def expected_of(held: Mapping[str, HeldTensor], folder: Path) -> dict[str, Expected]:
+    """What each tensor of ``held`` must be: ``folder``'s tensor cast to the dtype it is held in (a tied LM
+    head: the embeddings). ValueError naming the folder and tensor when the folder cannot say."""
+    by_dtype: dict[str, list[str]] = {}
+    for name, h in held.items():
+        by_dtype.setdefault(h.dtype, []).append(name)
+    out: dict[str, Expected] = {}
+    try:
+        for dtype, names in by_dtype.items():
+            out.update(held_expected(folder, names, dtype))
+    except ChainError as e:
+        raise ValueError(f"cannot read what {folder} holds, to compare the loaded model with: {e}") from None
+    return out
+
+
+def read_back(served: ServedModel, version: str) -> ServedModel:
+    """``served`` with the digests it must keep holding, once its parameters are read back and found to be
+    exactly those of its folder (``version`` names it in the reason); ValueError with the reason, naming
+    the tensors that differ or hold NaN or infinity, when they are not."""
+    held = read_held(served.model)
+    expected = expected_of(held, served.path)
+    verdict = compare(expected, held, what="the parameters the reference engine loaded", version=version)
+    if not verdict.ok:
+        raise ValueError(verdict.reason)
+    return replace(served, expected=expected)
+
+
+def check_held(served: ServedModel, version: str) -> str | None:
+    """Why ``served``'s parameters are not (any longer) those read back at its load; None when they are.
+    Digests only: the same bytes as at load are as finite as then; a tensor that differs is looked at."""
+    if not served.expected:
+        return None
+    held = read_held(served.model, check_finite=False)
+    verdict = compare(served.expected, held, what="the parameters the reference engine serves", version=version,
+                      exhaustive=True)
+    if verdict.ok:
+        return None
+    tensors = served.model.state_dict()
+    for name in verdict.differing:
+        if name in tensors and not finite(tensors[name]):
+            held[name] = replace(held[name], finite=False)
+    return compare(served.expected, held, what="the parameters the reference engine serves", version=version,
+                   exhaustive=True).reason

@@ -3,64 +3,162 @@
 Completions are sampled in one batch per request (``sampler``); a hot-load loads the rebuilt
 folder beside the served model and swaps the reference (``model_slot``), so a request never
 sees two versions and in-flight requests finish on the weights they began with.
+
+Before the swap the loaded model's parameters are read back (``model_slot.read_back``: a digest of
+each as held, compared exactly with the folder's tensors in that dtype) and the folder's probe is
+checked; either failing leaves the previous version served. The digests found then are kept: a
+monitor thread reads the parameters back every ``probe_interval_s`` (and ``verify`` on demand), and
+a served model that no longer holds them puts every replica in ERROR and answers 503 until it does.
+Test faults (``faults``: stale_weights, cached_weights) make a hot-load leave other weights in place.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
+import torch
+
+from posttrain.chain.checkpoint import INDEX_NAME, SINGLE_NAME
 from posttrain.lora.packed import is_packed_adapter
 from posttrain.serve.adapters import refuse_adapters
-from posttrain.serve.completions import build_response, parse_request
-from posttrain.serve.engine import Served
-from posttrain.serve.model_slot import ModelSlot, ServedModel, load_served, resolve_device
+from posttrain.serve.completions import RequestError, build_response, parse_request
+from posttrain.serve.engine import EngineError, Served
+from posttrain.serve.faults import FaultBox
+from posttrain.serve.model_slot import (
+    ModelSlot,
+    ServedModel,
+    check_held,
+    load_served,
+    read_back,
+    read_held,
+    resolve_device,
+)
 from posttrain.serve.probe import judge, read_probe, score_with_model
 from posttrain.serve.sampler import sample
-from posttrain.serve.stages import stage
 from posttrain.serve.serve_config import ServeConfig
+from posttrain.serve.stages import stage
+from posttrain.serve.weight_digest import Expected
 
 log = logging.getLogger(__name__)
 
+MONITOR_SHARE = 4  # the monitor rests at least 4x as long as a reading took: at most 1/5 of the time reading
+
 
 class ReferenceEngine:
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, faults: FaultBox | None = None):
+        """``faults``: the server's test faults (default: those ``config`` arms at start)."""
         self.config = config
+        self.faults = faults if faults is not None else FaultBox(config.faults)
         self.device = resolve_device(config.device)
         self.model_name = config.served_model_name or config.model_dir.resolve().name
         self.tokenizer = _load_tokenizer(config.model_dir)
-        boot = load_served(config.model_dir, self.device)
+        boot = _boot_read_back(load_served(config.model_dir, self.device))
         self.slot = ModelSlot(boot)
+        # the served model the monitor (or verify) found holding other weights, and why; None: none found
+        self._failure: tuple[ServedModel, str] | None = None
+        self._failure_lock = threading.Lock()
+        self._closed = threading.Event()
         self.replica_names = [f"replica-{i:04d}" for i in range(config.replicas)]
         cfg = boot.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.eos_ids, self.pad_id = _special_ids(boot, self.tokenizer)
         self.generate_lock = threading.Lock()
+        self._monitor = threading.Thread(target=self._watch, args=(config.probe_interval_s,),
+                                         name="reference-monitor", daemon=True)
+        self._monitor.start()
+
+    def use_faults(self, faults: FaultBox) -> None:
+        """Take test faults from ``faults`` (the server's, armed through /_test/faults) from now on."""
+        self.faults = faults
 
     def current(self) -> Served:
         served = self.slot.current()
         return Served(served.identity, served.path)
 
     def load(self, folder: Path, identity: str) -> Served:
-        """Load ``folder`` like the served model (same tensor names, shapes, dtypes), check it against
-        the folder's probe, and swap it in; on failure the previous version keeps serving."""
+        """Load ``folder`` like the served model (same tensor names, shapes, dtypes), read its parameters
+        back (exactly the folder's, none NaN or infinite), check it against the folder's probe, and swap
+        it in; on failure (ValueError with the reason) the previous version keeps serving."""
         if is_packed_adapter(folder):
             raise refuse_adapters("reference", folder)
+        before = self.slot.current()
         with stage("switch"):  # loading beside the served model, then the swap below; validate: its layout
-            new = load_served(folder, self.device, like=self.slot.current(), identity=identity)
+            new = self._load_beside(folder, identity, before)
+        with stage("validate"):
+            new = read_back(new, identity)
         with stage("probe"):
-            self._check_probe(new, self.slot.current())
+            self._check_probe(new, before)
         with stage("switch"):
             self.slot.swap(new)
+        with self._failure_lock:
+            if self._failure is not None and self._failure[0] is not new:
+                self._failure = None  # about the model swapped out: let it go
         return Served(new.identity, new.path)
 
     def resume(self, folder: Path, identity: str) -> Served:
         return self.load(folder, identity)
 
+    def _load_beside(self, folder: Path, identity: str, before: ServedModel) -> ServedModel:
+        """``folder`` loaded beside ``before``; test faults may leave other weights in it (the readback's
+        to catch): another folder's (cached_weights), or ``before``'s values (stale_weights)."""
+        cached = self.faults.take("cached_weights", identity=identity)
+        source = folder if cached is None else Path(cached.folder) if cached.folder else before.path
+        new = load_served(source, self.device, like=before, identity=identity)
+        if cached is not None:
+            log.warning("hot-load of %s: serving the weights of %s instead (injected fault)", identity, source)
+            new = replace(new, path=folder)  # the engine believes it loaded the folder it was given
+        stale = self.faults.take("stale_weights", identity=identity)
+        if stale is not None:
+            log.warning("hot-load of %s: keeping %s of the previous version (injected fault)", identity,
+                        "every parameter" if stale.tensors is None else ", ".join(stale.tensors))
+            _keep_previous(new.model, before.model, stale.tensors)
+        return new
+
     def verify(self) -> None:
-        pass  # the model in this process is the one swapped in: nothing else can change it
+        """Read the served model's parameters back now; EngineError naming the tensors that are no longer
+        those read back when it was loaded (every replica is then ERROR until they are again)."""
+        why = self._check_served()
+        if why is not None:
+            raise EngineError(f"{', '.join(self.replica_names)}: {why}")
+
+    def _check_served(self) -> str | None:
+        """Why the served model no longer holds its version's weights (recorded for ``replica_errors``);
+        None when it does."""
+        served = self.slot.current()
+        why = check_held(served, _version_name(served))
+        with self._failure_lock:
+            if why is not None:
+                if self._failure is None or self._failure[1] != why:
+                    log.error("the served model no longer holds %s's weights: %s", _version_name(served), why)
+                self._failure = (served, why)
+            elif self._failure is not None:  # (one about a model swapped out since is dropped, and the model)
+                if self._failure[0] is served:
+                    log.info("the served model holds %s's weights again", _version_name(served))
+                self._failure = None
+        return why
+
+    def _watch(self, interval: float) -> None:
+        """Every ``interval``: the served model's parameters read back and compared with its version's. Hashing
+        a large model takes seconds (it is copied to the CPU and read whole): the monitor then waits
+        ``MONITOR_SHARE`` times as long as the last reading took, so it never takes more than its share."""
+        wait = interval
+        while not self._closed.wait(wait):
+            t0 = time.monotonic()
+            try:
+                self._check_served()
+            except Exception:  # noqa: BLE001 - the monitor never dies; the next round tries again
+                log.exception("reading the served model's parameters back failed")
+            wait = max(interval, MONITOR_SHARE * (time.monotonic() - t0))
+
+    def _served_failure(self, served: ServedModel) -> str | None:
+        with self._failure_lock:
+            failure = self._failure
+        return failure[1] if failure is not None and failure[0] is served else None
 
     def _check_probe(self, new: ServedModel, before: ServedModel) -> None:
         """ValueError (the verdict's one line) when the loaded model does not answer the folder's
@@ -83,10 +181,13 @@ class ReferenceEngine:
         log.info("probe of %s: %s", new.identity, verdict.reason)
 
     def replica_errors(self) -> dict[str, str]:
-        return {}  # one model in this process serves every replica
+        why = self._served_failure(self.slot.current())  # one model in this process serves every replica
+        return {} if why is None else dict.fromkeys(self.replica_names, why)
 
     def close(self) -> None:
-        pass
+        self._closed.set()
+        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=30)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -102,12 +203,42 @@ class ReferenceEngine:
                                max_n=self.config.max_n, max_request_tokens=self.config.max_request_tokens)
         with self.generate_lock:
             served = self.slot.current()  # kept to the end: a swap meanwhile does not touch this request
+            why = self._served_failure(served)
+            if why is not None:
+                raise RequestError(503, f"the served model does not hold {_version_name(served)}'s weights: "
+                                   f"{why}", kind="ServiceUnavailableError")
             choices = sample(served.model, params.prompts, n=params.n, max_tokens=params.max_tokens,
                              temperature=params.temperature, top_p=params.top_p, eos_token_ids=self.eos_ids,
                              pad_token_id=self.pad_id, seed=params.seed,
                              max_batch_rows=self.config.max_batch_rows)
         return build_response(params, choices, model_name=self.model_name, snapshot_identity=served.identity,
                               decode=self.decode)
+
+
+def _version_name(served: ServedModel) -> str:
+    return served.identity or "the boot weights"
+
+
+def _boot_read_back(boot: ServedModel) -> ServedModel:
+    """The boot model read back against its folder; a folder without safetensors weights (``.bin``)
+    cannot say what it holds: the digests read now are what the monitor keeps it to."""
+    if (boot.path / SINGLE_NAME).is_file() or (boot.path / INDEX_NAME).is_file():
+        return read_back(boot, _version_name(boot))
+    log.warning("%s has no safetensors weights: the boot model's parameters are not checked against them",
+                boot.path)
+    held = read_held(boot.model)
+    return replace(boot, expected={n: Expected(h.dtype, h.shape, h.digest) for n, h in held.items()})
+
+
+def _keep_previous(model: torch.nn.Module, previous: torch.nn.Module, names: list[str] | None) -> None:
+    """Copy ``previous``'s values into ``model``'s parameters (``names``, or all): weights not updated."""
+    old, new = previous.state_dict(), model.state_dict()
+    unknown = sorted(set(names or ()) - set(new))
+    if unknown:
+        raise ValueError(f"the stale_weights fault names no parameter of the model: {unknown}")
+    with torch.no_grad():
+        for name in names if names is not None else new:
+            new[name].copy_(old[name])
 
 
 def _load_tokenizer(path: Path):
