@@ -230,3 +230,109 @@ def test_a_corrupt_byte_the_delta_inherits_never_reaches_sglang(gateway, make_cl
     assert f"snapshot {chain.full}: file {shard.name}" in message and repr(info.name) in message
     assert not _calls(fake)  # SGLang never saw a folder
     assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] is None  # the boot weights serve
+
+
+# ---------------------------------------------------------------- weights read back (issue 34)
+
+NORM = "model.norm.weight"
+EMBEDDINGS = "model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama (SGLang's LlamaForCausalLM answers /get_weights_by_name; its Qwen2 class does not) and the
+    same model after one AdamW step at lr 1e-6, as a full snapshot and a delta."""
+    from posttrain.chain.policy import ChainPolicy
+    from posttrain.chain.writer import ChainWriter
+    from posttrain.testing.fake_sglang_weights import write_tiny_llama
+    from tests.support.updates import one_update
+
+    root = tmp_path_factory.mktemp("llama-chain")
+    m0 = write_tiny_llama(root / "m0")
+    m1 = one_update(m0, root / "m1", lr=1e-6)
+    writer = ChainWriter(root / "store" / PREFIX, run="r", policy=ChainPolicy(delta_budget=100.0))
+    snaps = [writer.add(m0, step=0), writer.add(m1, base=m0, step=1)]
+    assert [s.kind for s in snaps] == ["full", "delta"]
+    return {"models": [m0, m1], "ids": [s.identity for s in snaps], "store": root / "store", "writer": writer,
+            "root": root}
+
+
+@pytest.fixture
+def llama_fake(llama):
+    """A FakeSGLang on the tiny Llama, at SGLang's default --dtype auto (float16 here); stopped after the gateway."""
+    fake = FakeSGLang(llama["models"][0]).start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def read_back(llama_fake, make_server, llama):
+    """(a gateway over ``llama_fake``, probing every 0.3 s; the fake)."""
+    server = make_server(store=llama["store"], model_dir=llama["models"][0], engine="sglang",
+                         engine_urls=[llama_fake.url], probe_interval_s=0.3)
+    return server, llama_fake
+
+
+def _served_identity(server) -> str | None:
+    return Api(server.url).complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"]
+
+
+@pytest.mark.parametrize("fault", ["cached", "drop"])
+def test_a_switch_that_leaves_sglang_on_the_previous_version_is_refused(read_back, make_client, llama, fault):
+    server, fake = read_back
+    replica = server.engine.replicas[0]
+    assert EMBEDDINGS in replica.readback and NORM in replica.readback  # learnt from SGLang at start
+    loader = make_client(server, fallback_to_full=False)
+    loader.hot_load(llama["ids"][0])
+    if fault == "cached":
+        fake.weights.serve_cached_on_next_reload()  # reports the new version, holds every old value
+    else:
+        fake.weights.drop_on_next_reload(EMBEDDINGS)
+    with pytest.raises(HotLoadFailed) as info:
+        loader.hot_load(llama["ids"][1], base_identity=llama["ids"][0])
+    assert "its parameters (float16)" in str(info.value) and f"{EMBEDDINGS} differs" in str(info.value)
+    assert _served_identity(server) == llama["ids"][0]  # put back on the served version
+    assert not server.engine.replica_errors()
+    assert loader.hot_load(llama["ids"][1], base_identity=llama["ids"][0]).identity == llama["ids"][1]
+    report = replica.client.read_held(replica.readback)
+    assert report.identity == fake.weight_version == Path(fake.model_path).name
+
+
+@pytest.mark.parametrize("fault", ["previous", "nan"])
+def test_the_monitor_finds_sglang_on_other_weights_and_puts_it_back(read_back, make_client, llama, fault, caplog):
+    import logging
+
+    server, fake = read_back
+    loader = make_client(server, fallback_to_full=False)
+    loader.hot_load(llama["ids"][0])
+    loader.hot_load(llama["ids"][1], base_identity=llama["ids"][0])
+    served = fake.model_path
+    caplog.set_level(logging.INFO, logger="posttrain.serve.holding")
+    if fault == "previous":  # behind the gateway's back, on N-1, while SGLang still reports N
+        fake.weights.hold(llama["models"][0])
+    else:
+        fake.weights.poison(NORM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any("is back on" in r.getMessage() for r in caplog.records):
+        time.sleep(0.1)
+    records = [r.getMessage() for r in caplog.records if r.name == "posttrain.serve.holding"]
+    found = [r for r in records if "putting it back" in r]
+    assert found, records
+    assert (f"{NORM} holds NaN or infinity" if fault == "nan" else f"{EMBEDDINGS} differs") in found[0], found
+    assert any("is back on" in r for r in records), records
+    assert fake.weights.folder == Path(served) and not fake.weights.kept  # reloaded: the served weights again
+    assert _served_identity(server) == llama["ids"][1] and not server.engine.replica_errors()
+
+
+def test_a_snapshot_with_nan_never_serves_on_sglang(read_back, make_client, llama):
+    from tests.support.updates import nan_weights
+
+    server, fake = read_back
+    loader = make_client(server, fallback_to_full=False)
+    loader.hot_load(llama["ids"][0])
+    loader.hot_load(llama["ids"][1], base_identity=llama["ids"][0])
+    poisoned = llama["writer"].add(nan_weights(llama["models"][1], llama["root"] / "nan", NORM), step=5)
+    on = {"base_identity": llama["ids"][1]} if poisoned.kind == "delta" else {}
+    with pytest.raises(HotLoadFailed, match=f"{NORM} holds NaN or infinity"):  # read back from SGLang
+        loader.hot_load(poisoned.identity, **on)
+    assert _served_identity(server) == llama["ids"][1]
