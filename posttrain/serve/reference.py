@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,8 +69,8 @@ class ReferenceEngine:
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.eos_ids, self.pad_id = _special_ids(boot, self.tokenizer)
         self.generate_lock = threading.Lock()
-        self._monitor = threading.Thread(target=self._watch, args=(config.probe_interval_s,),
-                                         name="reference-monitor", daemon=True)
+        self._monitor = threading.Thread(target=_watch, args=(weakref.ref(self), config.probe_interval_s,
+                                                              self._closed), name="reference-monitor", daemon=True)
         self._monitor.start()
 
     def use_faults(self, faults: FaultBox) -> None:
@@ -142,19 +143,6 @@ class ReferenceEngine:
                 self._failure = None
         return why
 
-    def _watch(self, interval: float) -> None:
-        """Every ``interval``: the served model's parameters read back and compared with its version's. Hashing
-        a large model takes seconds (it is copied to the CPU and read whole): the monitor then waits
-        ``MONITOR_SHARE`` times as long as the last reading took, so it never takes more than its share."""
-        wait = interval
-        while not self._closed.wait(wait):
-            t0 = time.monotonic()
-            try:
-                self._check_served()
-            except Exception:  # noqa: BLE001 - the monitor never dies; the next round tries again
-                log.exception("reading the served model's parameters back failed")
-            wait = max(interval, MONITOR_SHARE * (time.monotonic() - t0))
-
     def _served_failure(self, served: ServedModel) -> str | None:
         with self._failure_lock:
             failure = self._failure
@@ -213,6 +201,24 @@ class ReferenceEngine:
                              max_batch_rows=self.config.max_batch_rows)
         return build_response(params, choices, model_name=self.model_name, snapshot_identity=served.identity,
                               decode=self.decode)
+
+
+def _watch(engine_ref: weakref.ref[ReferenceEngine], interval: float, closed: threading.Event) -> None:
+    """Every ``interval``: the served model's parameters read back and compared with its version's, until
+    the engine is closed (or dropped). Hashing a large model takes seconds (it is copied to the CPU and
+    read whole): the monitor then rests ``MONITOR_SHARE`` times as long as the last reading took."""
+    wait = interval
+    while not closed.wait(wait):
+        engine = engine_ref()
+        if engine is None:
+            return
+        t0 = time.monotonic()
+        try:
+            engine._check_served()
+        except Exception:  # noqa: BLE001 - the monitor never dies; the next round tries again
+            log.exception("reading the served model's parameters back failed")
+        del engine  # held only while reading: an engine nobody holds goes, and its monitor with it
+        wait = max(interval, MONITOR_SHARE * (time.monotonic() - t0))
 
 
 def _version_name(served: ServedModel) -> str:
