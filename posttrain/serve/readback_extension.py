@@ -39,7 +39,9 @@ def digest(t: torch.Tensor) -> str:
 
 def describe(t: torch.Tensor) -> list:
     """``[dtype, shape, digest, finite]``: one tensor as the wire carries it (JSON-safe)."""
-    finite = bool(torch.isfinite(t).all()) if t.is_floating_point() else True
+    # a sum is finite when every value is (accumulated in float32 at least: no overflow on real weights),
+    # and costs a tenth of isfinite().all() on CPU; only a non-finite sum is looked at value by value
+    finite = not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
     return [dtype_name(t.dtype), list(t.shape), digest(t), finite]
 
 

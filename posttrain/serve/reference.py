@@ -73,10 +73,6 @@ class ReferenceEngine:
                                                               self._closed), name="reference-monitor", daemon=True)
         self._monitor.start()
 
-    def use_faults(self, faults: FaultBox) -> None:
-        """Take test faults from ``faults`` (the server's, armed through /_test/faults) from now on."""
-        self.faults = faults
-
     def current(self) -> Served:
         served = self.slot.current()
         return Served(served.identity, served.path)

@@ -120,10 +120,10 @@ class InferenceServer:
             raise ServeStartError(f"work_dir (--work-dir) {self.work_dir}: {why}") from None
         except WorkDirBusy as e:
             raise ServeStartError(f"work_dir (--work-dir): {e}") from None
-        self.engine = engine or open_engine(config)
+        self.faults = FaultBox(config.faults)  # armed at start, or through /_test/faults; the engine's too
+        self.engine = engine or open_engine(config, self.faults)
         self.model_name = self.engine.model_name
         self.test_hooks = config.test_hooks or bool(config.faults)
-        self.faults = FaultBox(config.faults)
         self.metrics = ServeMetrics()  # a registry of its own: servers in one process keep their figures apart
         self.service = HotLoadService(
             deployment_id=config.deployment_id,
@@ -184,8 +184,8 @@ def _check_model_dir(model_dir: Path) -> None:
         raise ServeStartError(f"model_dir (--model) {model_dir}: no config.json, so not a Hugging Face model folder")
 
 
-def open_engine(config: ServeConfig) -> Engine:
-    """The engine ``config.engine`` names, started on ``config.model_dir``."""
+def open_engine(config: ServeConfig, faults: FaultBox | None = None) -> Engine:
+    """The engine ``config.engine`` names, started on ``config.model_dir`` (the reference one takes ``faults``)."""
     if config.engine == "vllm":
         from posttrain.serve.vllm.engine import open_vllm_engine
 
@@ -196,7 +196,7 @@ def open_engine(config: ServeConfig) -> Engine:
         return open_sglang_engine(config)
     from posttrain.serve.reference import ReferenceEngine
 
-    return ReferenceEngine(config)
+    return ReferenceEngine(config, faults)
 
 
 def _handler_for(app: InferenceServer) -> type[BaseHTTPRequestHandler]:

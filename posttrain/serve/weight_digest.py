@@ -22,13 +22,36 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from posttrain.chain.checkpoint import Checkpoint, ChunkReader
 from posttrain.serve.checks import ties_embeddings
-from posttrain.serve.readback_extension import describe, digest, dtype_name
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported when a digest is first computed, not with this module: the CLI sets OpenMP's
+# environment before anything loads torch (posttrain.cli.serve.quiet_openmp), and clients import this
+
+
+def digest(t: torch.Tensor) -> str:
+    """xxh3-128 (hex) of ``t``'s bytes as held (``readback_extension.digest``: the engines hash the same way)."""
+    from posttrain.serve.readback_extension import digest as engine_digest
+
+    return engine_digest(t)
+
+
+def describe(t: torch.Tensor) -> list:
+    """``[dtype, shape, digest, finite]`` of ``t`` (``readback_extension.describe``)."""
+    from posttrain.serve.readback_extension import describe as engine_describe
+
+    return engine_describe(t)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 __all__ = ["Expected", "HeldReport", "HeldTensor", "Readback", "TIED_HEAD", "compare", "consumed_expected", "describe",
            "digest", "dtype_name", "held_expected", "parse_wire"]
@@ -121,6 +144,8 @@ def held_expected(folder: Path, names: Iterable[str], dtype: str) -> dict[str, E
                 as_stored = _file_digests(ckpt)
             out[name] = Expected(dtype, info.shape, as_stored[source])
             continue
+        import torch
+
         out[name] = Expected(dtype, info.shape, digest(_load(info).to(getattr(torch, dtype))))
     return out
 
@@ -191,6 +216,8 @@ def comparable(layout: Mapping[str, HeldTensor], folder: Path) -> dict[str, int 
 
 def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of the floating tensors holding NaN or infinity."""
+    import torch
+
     return sorted(n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
 
 

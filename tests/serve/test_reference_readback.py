@@ -85,8 +85,7 @@ def serve(versions, tmp_path):
                                 "device": "cpu", **overrides})
         server = InferenceServer(config).start()
         started.append(server)
-        if server.engine.faults is not server.faults:  # until the server hands its test faults to the engine
-            server.engine.use_faults(server.faults)
+        assert server.engine.faults is server.faults  # faults armed through /_test/faults reach the engine
         client = CoreWeaveHotLoader(HotLoadConfig(api_url=server.url, deployment_id=DEPLOYMENT, token=TOKEN,
                                                   poll_interval=0.05, timeout=30, request_timeout=10,
                                                   backoff_base=0.01, backoff_max=0.05, fallback_to_full=False))

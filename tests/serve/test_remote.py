@@ -152,6 +152,21 @@ def test_a_tied_model_refused_at_a_url_leaves_the_replica_serving(versions):
         engine.close()
 
 
+def test_an_in_place_reload_of_a_tied_model_into_vllm_is_refused_before_any_replica_is_touched(versions):
+    """Measured on vLLM's CPU build: a tied model reloaded in place answers as neither version while every
+    digest it can report is right, so --reload in-place is refused for it, snapshot probe or not."""
+    server = Server(versions["boot"])
+    engine = RemoteEngine(kind="vllm", model_dir=versions["boot"], model_name="m", reload="in-place",
+                          replicas=[Replica("r0", server)], restart_when_tied=True, monitor_interval_s=3600)
+    try:
+        with pytest.raises(EngineError, match="ties the LM head to the embeddings.*--reload auto or restart"):
+            engine.load(_tied(versions["v1"]), "v1")
+        assert server.calls == [] and server.folder == versions["boot"]
+        assert engine.replica_errors() == {}
+    finally:
+        engine.close()
+
+
 def test_reload_restart_with_vllm_at_a_url_is_refused_at_start(versions):
     from pydantic import ValidationError
 
