@@ -25,6 +25,7 @@ from posttrain.serve.serve_config import ServeConfig
 from posttrain.serve.server import InferenceServer
 from posttrain.serve.vllm.client import VLLMClient
 from posttrain.serve.vllm.process import VLLMProcessConfig
+from posttrain.serve.weight_digest import compare, held_expected
 from posttrain.testing import vllm_readback_faults as faults
 from tests.support.serving import DEPLOYMENT, PREFIX, TOKEN, Api
 from tests.support.updates import nan_weights, one_update
@@ -167,8 +168,12 @@ def test_the_monitor_finds_a_replica_put_back_on_the_previous_version_and_restor
         holding.removeHandler(handler)
         holding.setLevel(level)
     assert _served(server) == chain["ids"][1]
+    # put back by restarting the engine on the served folder: it holds it, and names no reload of its own
     held = replica.client.read_held(replica.readback)
-    assert held.identity == Path(server.engine.current().path).name
+    served = server.engine.current().path
+    assert held.identity is None
+    assert compare(held_expected(served, replica.readback, held.dtype), held.tensors, what="held",
+                   version=served.name)
 
 
 def test_nan_weights_are_refused_and_the_served_version_stays(setup, make_client):
