@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest n x (prompt + max_tokens) tokens, summed over the prompts, one completions request "
                    "may ask (default 262144)")
     p.add_argument("--probe-interval", type=float, default=2.0, dest="probe_interval_s", metavar="SECONDS",
-                   help="vllm, sglang: seconds between health probes; each reads back what every replica holds "
-                   "(default 2)")
+                   help="seconds between health probes; each reads back what every replica holds: digests of its "
+                   "weights, its weight version, its answers to a fixed prompt (default 2)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve /metrics (Prometheus) on this port of --host instead of the main one: without the "
                    "token when --host is loopback, else with it unless --metrics-no-auth (default: /metrics on the "

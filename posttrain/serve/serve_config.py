@@ -68,9 +68,9 @@ class ServeConfig(BaseModel):
         "memory for long."
     )
     probe_interval_s: float = Field(
-        2.0, ge=MIN_POLL_S, le=3600, description="vllm, sglang: seconds (at least 0.05) between two health probes "
-        "of each replica; each also reads back what the replica holds (its weight version, or its answers to a "
-        "fixed prompt), so a replica restarted on other weights is put back or reported ERROR within one interval."
+        2.0, ge=MIN_POLL_S, le=3600, description="Seconds (at least 0.05) between two health probes of each replica; "
+        "each reads back what the replica holds (digests of its weights, its weight version, its answers to a "
+        "fixed prompt), so a replica on other weights is put back or reported ERROR within one interval."
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve /metrics (Prometheus) on this port of host (0: any free port) "
