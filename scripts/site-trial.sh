@@ -2,15 +2,18 @@
 # A new user's afternoon, replayed: the setup steps of docs/site-setup.md run as written from a
 # fresh clone of this repository, against a Prefect server of its own on a non-default port.
 #
-#   bash scripts/site-trial.sh            the local path (the test suite runs it: tests/e2e/test_site_trial.py)
+#   bash scripts/site-trial.sh            the local path
 #   bash scripts/site-trial.sh --slurm    the Slurm path, with the page's own values (below)
+#   bash scripts/site-trial.sh --all      both, on one clone and one server (the test suite runs it,
+#                                         or the local path where it cannot make /shared:
+#                                         tests/e2e/test_site_trial.py)
 #
 # Steps, each checked (a failed check prints what it saw and exits 1):
 #   1. a fresh `git clone` of this checkout's HEAD; the clone's code runs (PYTHONPATH), with this
 #      checkout's .venv (installing a second one would take minutes and test pip, not posttrain)
 #   2. mistakes caught with one line: prefect-setup with PREFECT_API_URL pointing at nothing (the
 #      URL named), deploy --all without POSTTRAIN_IMAGE (the variable named, nothing deployed)
-#   3. a Prefect server on TRIAL_PORT (default 4455), prefect-setup, `posttrain blocks save` from a
+#   3. a Prefect server on TRIAL_PORT (default 4455) whose UI is told that port, prefect-setup, `posttrain blocks save` from a
 #      site file, `prefect --no-prompt deploy --all`, a process worker
 #   4. a reference inference server (`posttrain serve`) that the inference block names
 #   5. `prefect deployment run 'nightly-post-training/nightly' --param learning_rate=5e-5 --watch`:
@@ -32,12 +35,15 @@
 # promote and rollback too); a run on a block whose shared_dir is the page's old value (/mnt/shared)
 # fails before anything is staged, naming base_model and the block's fields; the page's run line on
 # its Slurm block completes, its job in the block's job folder, its last checkpoint served.
+# --all: the Slurm path's values and steps, and the local path's steps 5-6 as well (its runs on the
+# local block, with the page's paths), after both deploy commands.
 set -euo pipefail
 MODE=local
 case "${1:-}" in
   --slurm) MODE=slurm ;;
+  --all) MODE=all ;;
   "") ;;
-  *) echo "usage: bash scripts/site-trial.sh [--slurm]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/site-trial.sh [--slurm | --all]" >&2; exit 2 ;;
 esac
 SRC="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${POSTTRAIN_PYTHON:-$SRC/.venv/bin/python}"
@@ -51,6 +57,8 @@ export POSTTRAIN_PREFECT_DB=sqlite
 unset PREFECT_API_URL PREFECT_PORT POSTTRAIN_PREFECT_DIR
 
 say() { printf '[site-trial] %s\n' "$*"; }
+slurm_path() { [ "$MODE" != local ]; }  # --slurm, --all
+local_path() { [ "$MODE" != slurm ]; }  # no option, --all
 fail() { printf '[site-trial] FAILED: %s\n' "$*" >&2; exit 1; }
 pids=()
 SHARED_LINK=""  # the page's shared file system, made by --slurm (a link to a folder of the trial)
@@ -94,11 +102,15 @@ say "ok: a PREFECT_API_URL where nothing answers is one line"
 PREFECT_PORT="$PORT" POSTTRAIN_PREFECT_DIR="$DIR/prefect" POSTTRAIN_BIN_DIR="$(dirname "$PY")" \
   bash scripts/services/start-prefect.sh >"$DIR/prefect-start.log" 2>&1 || fail "Prefect server: $(tail -5 "$DIR/prefect-start.log")"
 export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
+# the UI asks /ui-settings for its API URL: this server's port, not Prefect's default 4200
+ui_api="$("$PY" -c 'import json, sys, urllib.request as u; print(json.load(u.urlopen(sys.argv[1], timeout=10))["api_url"])' \
+  "http://127.0.0.1:$PORT/ui-settings" 2>&1)" || fail "the server's /ui-settings: $ui_api"
+[ "$ui_api" = "$PREFECT_API_URL" ] || fail "the UI is told the API is at $ui_api, not $PREFECT_API_URL"
 "$PY" -m posttrain prefect-setup >"$DIR/setup.log" 2>&1 || fail "prefect-setup: $(cat "$DIR/setup.log")"
 grep -q "automation: posttrain-crash-unresponsive-runs" "$DIR/setup.log" || fail "no lost-worker automation: $(cat "$DIR/setup.log")"
-say "ok: server on port $PORT; $(tr '\n' ';' < "$DIR/setup.log")"
+say "ok: server on port $PORT, its UI told that port; $(tr '\n' ';' < "$DIR/setup.log")"
 
-if [ "$MODE" = slurm ]; then
+if slurm_path; then
   # the page's values, from its code blocks (DOC_* variables; DOC_SLURM: the block's settings as JSON)
   doc_values="$("$PY" - docs/site-setup.md <<'EOF'
 import json, re, shlex, sys
@@ -154,7 +166,7 @@ posttrain-inference-deployment/default:
   model: tiny
   token: {env: SITE_GATEWAY_TOKEN}
 EOF
-if [ "$MODE" = slurm ]; then
+if slurm_path; then
   "$PY" - "$DOC_BLOCK" "$DOC_SLURM" "$PY" "$DIR/clone" >>"$DIR/blocks.yaml" <<'EOF'
 import json, socket, sys
 import yaml
@@ -175,7 +187,7 @@ fi
 grep -q "$SITE_GATEWAY_TOKEN" "$DIR/blocks.log" && fail "blocks save printed the token"
 say "ok: blocks saved ($(tr '\n' ' ' < "$DIR/blocks.log"))"
 
-if [ "$MODE" = slurm ]; then
+if slurm_path; then
   export POSTTRAIN_BASE_MODEL="$DOC_BASE_MODEL" POSTTRAIN_DATASET="$DOC_DATASET" POSTTRAIN_SHARED_DIR="$DOC_SHARED_DIR"
 else
   export POSTTRAIN_BASE_MODEL="$DIR/models/base" POSTTRAIN_DATASET="$DIR/data/prompts.jsonl" POSTTRAIN_SHARED_DIR="$DIR/shared"
@@ -185,19 +197,15 @@ out="$(env -u POSTTRAIN_IMAGE "$PY" -m prefect --no-prompt deploy --all 2>&1)" &
 [ "$("$PY" -m prefect deployment ls 2>/dev/null | grep -c 'nightly-post-training/nightly ')" -eq 0 ] \
   || fail "deploy without POSTTRAIN_IMAGE deployed something"
 say "ok: deploy --all without POSTTRAIN_IMAGE is one line and deploys nothing"
-if [ "$MODE" = slurm ]; then  # no Kubernetes: the command the line suggests, as printed (the page's too)
+if slurm_path; then  # no Kubernetes: the command the line suggests, as printed (the page's too)
   suggested="${out##*deploy the others alone: }"
   [ "$suggested" = "$DOC_DEPLOY" ] || fail "deploy --all suggests '$suggested'; docs/site-setup.md says '$DOC_DEPLOY'"
-  PWD="$DIR/clone" bash -c "$suggested" >"$DIR/deploy.log" 2>&1 || fail "$suggested: $(tail -20 "$DIR/deploy.log")"
+  PWD="$DIR/clone" bash -c "$suggested" >"$DIR/deploy-suggested.log" 2>&1 || fail "$suggested: $(tail -20 "$DIR/deploy-suggested.log")"
   deployed="$("$PY" -m prefect deployment ls 2>/dev/null)"
   for d in nightly-post-training/nightly grpo/grpo promote/promote rollback/rollback; do
     grep -q "$d " <<<"$deployed" || fail "$suggested did not deploy $d: $deployed"
   done
   say "ok: deployed with the suggested command: $suggested"
-else
-  POSTTRAIN_IMAGE=registry/posttrain:trial POSTTRAIN_PVC=shared PWD="$DIR/clone" "$PY" -m prefect --no-prompt deploy --all >"$DIR/deploy.log" 2>&1 \
-    || fail "deploy --all: $(tail -20 "$DIR/deploy.log")"
-  say "ok: deployed"
 fi
 PREFECT_WORKER_QUERY_SECONDS=1 background "$DIR/worker.log" "$PY" -m prefect worker start --pool posttrain-process
 for _ in $(seq 120); do grep -q "started" "$DIR/worker.log" && break; sleep 0.5; done
@@ -207,7 +215,7 @@ say "ok: worker and inference server up"
 
 small=(--param max_steps=2 --param save_steps=1 --param per_device_train_batch_size=4 --param num_generations=2
        --param max_completion_length=4 --param use_cpu=true --param watch_poll_s=0.5)
-if [ "$MODE" = slurm ]; then
+if slurm_path; then  # first: its checks count the runs on the page's shared_dir
   # 5s. the page's old block (shared_dir /mnt/shared): refused before the dataset is staged
   "$PY" -m prefect deployment run 'nightly-post-training/nightly' --param cluster=posttrain-slurm-cluster/mismatch \
     "${small[@]}" --watch --watch-timeout 300 >"$DIR/mismatch.log" 2>&1 && fail "a run on the mismatched block succeeded"
@@ -251,7 +259,13 @@ assert served and served.startswith("step-00000002-"), served
 print(f"run {run.name}: Completed on Slurm, {ckpts[0].parents[1]}, job folder {jobs[0]}, serving {served}")
 EOF
   say "ok: the page's run on its Slurm block completed, with the page's paths, and its last checkpoint is served"
-else
+fi
+if local_path; then
+  # the page's deploy line (with --all: after the Slurm path ran on what the suggested command deployed)
+  POSTTRAIN_IMAGE=registry/posttrain:trial POSTTRAIN_PVC=shared PWD="$DIR/clone" "$PY" -m prefect --no-prompt deploy --all >"$DIR/deploy.log" 2>&1 \
+    || fail "deploy --all: $(tail -20 "$DIR/deploy.log")"
+  say "ok: deployed"
+
   # 5. a run with one parameter changed
 "$PY" -m prefect deployment run 'nightly-post-training/nightly' --param learning_rate=5e-5 "${small[@]}" \
   --watch --watch-timeout 400 >"$DIR/run.log" 2>&1 || fail "the nightly run: $(tail -30 "$DIR/run.log")"

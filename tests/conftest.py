@@ -3,11 +3,14 @@
 Tests that need a service (Slurm, SeaweedFS, a Prefect server, Prometheus) are marked ``services``:
 ``pytest -m "not services"`` is the fast subset that starts nothing.
 
-Under pytest-xdist (the test command runs ``-n 2 --dist loadgroup``) the tests that drive the
-Prefect server's process worker or the Slurm cluster form one group, run first and one after
-another in one worker: they share that worker and the cluster's nodes, and some assert how fast
-a cancel or requeue acts. Every other module is a group of its own (its module fixtures, a vLLM
-server for instance, start once), run by whichever worker is free.
+Under pytest-xdist (the test command runs ``-n 2 --dist loadgroup``) the tests of the suite's
+Prefect server (``prefect_api``: its process worker, the default blocks that point at this
+session's reference server) form one group, run first and one after another in one worker; the
+other tests that run jobs on the Slurm cluster (its fixtures, or the ``slurm`` mark) form a second,
+run one after another beside it. The cluster's two nodes have room for a job of each group at once
+(a CPU each per node); within a group, tests that assert how fast a cancel or requeue acts never
+share the nodes with another of the group. Every other module is a group of its own (its module
+fixtures, a vLLM server for instance, start once), run by whichever worker is free.
 """
 
 from __future__ import annotations
@@ -26,9 +29,17 @@ pytest_plugins = [
 # Fixtures that reach a service the test command starts (or that start one themselves).
 SERVICE_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "seaweedfs_endpoint", "seaweedfs_bucket", "prefect_api",
                     "prometheus"}
-# Fixtures of the tests that run one after another in one xdist worker.
-ORCHESTRATION_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "prefect_api"}
+# The suite's Prefect server: its tests run one after another in one xdist worker.
+ORCHESTRATION_FIXTURES = {"prefect_api"}
 ORCHESTRATION = "orchestration"
+# The Slurm cluster: the tests that use it without the Prefect server, one after another.
+SLURM_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes"}
+SLURM = "slurm"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slurm: runs jobs on the Slurm cluster without asking for its fixture at "
+                                       "collection (the Slurm group of tests/conftest.py)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker adds each group to the test ids
@@ -43,12 +54,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
-    """The orchestration tests first (the longest group starts at once), in collection order. (Taking
-    the vLLM groups first as well ran them all beside the orchestration group, and the suite took
-    longer: both are CPU-bound on two cores.)"""
-    orchestration = {id(i) for i in items if ORCHESTRATION_FIXTURES & set(getattr(i, "fixturenames", ()))}
-    for item in items:
-        group = ORCHESTRATION if id(item) in orchestration else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda i: id(i) not in orchestration)  # stable: collection order within each part
+    """The orchestration tests first (the longest group starts at once), then the Slurm group (the
+    second longest, beside it), each in collection order. (Taking the vLLM groups first as well ran
+    them all beside the orchestration group, and the suite took longer: both are CPU-bound on two
+    cores.)"""
+    def group(item: pytest.Item) -> str:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if ORCHESTRATION_FIXTURES & fixtures:
+            return ORCHESTRATION
+        if SLURM_FIXTURES & fixtures or item.get_closest_marker("slurm"):
+            return SLURM
+        return item.nodeid.split("::", 1)[0]
 
+    groups = {id(item): group(item) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    first = {ORCHESTRATION: 0, SLURM: 1}
+    items.sort(key=lambda i: first.get(groups[id(i)], 2))  # stable: collection order within each part
