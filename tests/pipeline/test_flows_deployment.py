@@ -12,9 +12,8 @@ import pytest
 from posttrain.publish.ledger import Ledger
 from posttrain.storage import open_store
 from tests.pipeline.conftest import NIGHTLY
-from tests.pipeline.run_events import assert_goodput_adds_up
+from tests.pipeline.run_events import assert_goodput_adds_up, assert_nightly_events
 from tests.pipeline.runs import prefect_cli, run_deployment, wait_final
-from tests.pipeline.test_flows_events import assert_nightly_events
 from tests.support.tensorboard import scalar_curves
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,8 @@
-"""A nightly deployment run that fails after training and publishing, retried the way the UI does
-(``prefect flow-run retry``): it completes without training again or uploading again.
+"""A nightly deployment run that fails after training and publishing records the failed hot-load as
+an event, for which the example automation (automations/hotload-failed.yaml) sends a notification;
+retried the way the UI does (``prefect flow-run retry``), it completes without training again or
+uploading again. (One run for both: the events test and the retry test each paid for the same failing
+run. Installing that automation file: test_automations_install.py.)
 
 The failure is a real one: the reference inference server is asked (its fault route) to fail the
 first incremental hot-load, which is the last checkpoint's, and the run's inference block does not
@@ -11,13 +14,23 @@ import json
 import re
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
+import yaml
 
 from posttrain.inference.protocol import TYPE_INCREMENTAL
 from posttrain.publish.ledger import Ledger
 from posttrain.storage import open_store
 from tests.pipeline.conftest import DEPLOYMENT_ID, MODEL_NAME, NIGHTLY
+from tests.pipeline.run_events import (
+    create_automation,
+    delete_automation,
+    named,
+    related_ids,
+    wait_events,
+    webhook,
+)
 from tests.pipeline.runs import (
     flow_run_logs,
     prefect_cli,
@@ -33,6 +46,7 @@ RUN = "flows-retry"
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 NO_FALLBACK = "posttrain-inference-deployment/flows-retry"  # the server's deployment, without fallback to full
 FAULT_REASON = "injected: the last hot-load of the run fails"
+AUTOMATION = Path(__file__).resolve().parents[2] / "automations" / "hotload-failed.yaml"
 
 
 def instance(flow_run_id: str) -> str:
@@ -57,6 +71,47 @@ def failing_last_hot_load(tiny_setup):
         tiny_setup.clear_faults()
 
 
+@pytest.fixture
+def hotload_failed_automation(tmp_path):
+    """The example automation, its notification block a webhook on this machine: what it received."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    with webhook() as (url, received):
+        block_id = CustomWebhookNotificationBlock(
+            name="posttrain-events-test", url=url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
+        ).save("posttrain-events-test", overwrite=True)
+        spec = yaml.safe_load(AUTOMATION.read_text())
+        spec["actions"][0]["block_document_id"] = str(block_id)
+        path = tmp_path / "hotload-failed.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        automation = create_automation(path)
+        try:
+            yield received
+        finally:
+            delete_automation(automation)
+
+
+def assert_failure_recorded_and_notified(setup, flow_run_id: str, name: str, entries: list, received: list) -> None:
+    """The failed hot-load's event (one attempt, not retried), step 1's hot-load before it, and the
+    automation's notification naming the snapshot and carrying the error."""
+    events = wait_events(flow_run_id, lambda ev: named(ev, "posttrain.hotload.failed"))
+    (failed,) = named(events, "posttrain.hotload.failed")  # not retried: one attempt, one event
+    assert failed.resource.id == f"posttrain.block.{NO_FALLBACK.replace('/', '.')}"
+    assert failed.resource["posttrain.snapshot"] == entries[1].identity
+    assert failed.resource["posttrain.will-retry"] == "false" and failed.payload["will_retry"] is False
+    assert FAULT_REASON in failed.payload["error"] and failed.payload["error_type"]
+    assert setup.token not in json.dumps(failed.payload)
+    assert {f"posttrain.snapshot.{entries[1].identity}", f"posttrain.run.{name}"} <= related_ids(failed)
+    (succeeded,) = named(events, "posttrain.hotload.succeeded")  # step 1, before the fault
+    assert succeeded.resource["posttrain.snapshot"] == entries[0].identity
+    deadline = time.monotonic() + 60
+    while not any(entries[1].identity in n.get("subject", "") for n in received):
+        assert time.monotonic() < deadline, f"no notification in 60 s: {received}"
+        time.sleep(0.5)
+    (note,) = [n for n in received if entries[1].identity in n.get("subject", "")]
+    assert FAULT_REASON in note["body"] and name in note["body"], note
+
+
 def _ledger(setup, name: str) -> list:
     store = open_store(str(setup.store))
     try:
@@ -72,9 +127,9 @@ def _store_files(setup, entries) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in files}
 
 
-@pytest.mark.timeout(360)
-def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploading(process_worker, tiny_setup,
-                                                                                     failing_last_hot_load):
+@pytest.mark.timeout(420)
+def test_failed_run_notifies_and_retried_from_the_cli_completes_without_retraining_or_reuploading(
+        process_worker, tiny_setup, failing_last_hot_load, hotload_failed_automation):
     # 1. The run fails once, after training and publishing every checkpoint: the server fails the
     #    hot-load of the last one (the first delta; the first checkpoint is a full snapshot).
     settings = tiny_setup.settings(RUN, inference=failing_last_hot_load)
@@ -92,6 +147,7 @@ def test_failed_run_retried_from_the_cli_completes_without_retraining_or_reuploa
     assert tiny_setup.served_identity() == entries[0].identity  # the failed delta left step 1 serving
     files = _store_files(tiny_setup, entries)
     published_at = {e.identity: e.published_at for e in entries}
+    assert_failure_recorded_and_notified(tiny_setup, flow_run_id, name, entries, hotload_failed_automation)
 
     # 2. Retry it as the UI does: same flow run, scheduled again, picked up by the worker.
     retried_at = datetime.now(UTC)
