@@ -110,12 +110,14 @@ def test_the_nightly_flows_last_step_promotes_what_staging_serves_with_the_runs_
     rows = [{"step": 1, "snapshot": chain.d1, "served": chain.d1}, {"step": 2, "snapshot": chain.d2, "served": chain.full}]
     from prefect import flow
 
-    report = flow(name="nightly-last-step")(promote_last)(settings, rows)  # as inside the nightly flow
+    state = flow(name="nightly-last-step")(promote_last)(settings, rows, return_state=True)  # as in the nightly
+    report = state.result()
     assert report.promoted and report.candidate == chain.full and report.champion is None
     assert Api(servers["prod"].url).greedy() == chain.greedy[0]
     with open_store(str(store_dir)) as store:
         (record,) = History(store, "", "prod").records()
-    assert (record.kind, record.identity, record.run) == ("promotion", chain.full, "nightly-promote")
+    assert (record.kind, record.identity, record.run) == ("promotion", chain.full,
+                                                              f"nightly-{state.state_details.flow_run_id}")
 
 
 @pytest.mark.timeout(180)

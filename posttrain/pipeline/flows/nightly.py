@@ -14,8 +14,8 @@ from prefect.artifacts import update_progress_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
-from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.flows.promote import run_promotion
+from posttrain.pipeline.parameters import flat_parameters
 from posttrain.pipeline.promotion_settings import PromoteSettings
 from posttrain.pipeline.settings import NightlySettings, flow_run_name, trainer_config
 from posttrain.pipeline.tasks.blocks import check_blocks, check_job_inputs, check_reward_funcs
@@ -120,4 +120,13 @@ def promote_last(settings: NightlySettings, rows: list[dict]):
     target = PromoteSettings(production=settings.promote_to, staging=settings.inference, store=settings.store,
                              candidate=candidate, tokenizer=settings.base_model, shared_dir=settings.shared_dir,
                              promotion=settings.promotion)
-    return run_promotion(target, run=settings.run_name, default_reward_funcs=settings.trainer.reward_funcs)
+    return run_promotion(target, run=promotion_run(settings.run_name), run_name=settings.run_name,
+                         default_reward_funcs=settings.trainer.reward_funcs)
+
+
+def promotion_run(run_name: str) -> str:
+    """Who promotes, in production's lease and history: ``nightly-<flow run id>``, the whole id. It is
+    the same for a retry of this flow run (Prefect keeps its id), which takes its own lease over and
+    finds its own record; a second nightly with the same ``run_name`` is another holder and loses
+    while this one holds the lease. ``run_name`` outside a flow run."""
+    return f"nightly-{flow_run.id}" if flow_run.id else run_name

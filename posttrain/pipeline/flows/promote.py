@@ -58,9 +58,11 @@ def promote(settings: PromoteSettings) -> PromotionReport:
     return run_promotion(settings, run=f"promote-{run_suffix(flow_run.id)}")
 
 
-def run_promotion(settings: PromoteSettings, *, run: str, default_reward_funcs: list[str] | None = None,
-                  candidate: str | None = None) -> PromotionReport:
-    """The promote flow's body; the nightly flow runs it as its last step with the run's reward functions."""
+def run_promotion(settings: PromoteSettings, *, run: str, run_name: str | None = None,
+                  default_reward_funcs: list[str] | None = None, candidate: str | None = None) -> PromotionReport:
+    """The promote flow's body; the nightly flow runs it as its last step with the run's reward functions.
+    ``run`` holds production's lease and writes the record (unique to the flow run, the same across its
+    retries); ``run_name``, the run the events name (``run`` when not given)."""
     for ref, what in ((settings.production, "production"), (settings.staging, "staging"), (settings.store, "store")):
         load_block(ref, what)  # a missing block fails here, named, before any eval
     p = settings.promotion
@@ -68,7 +70,8 @@ def run_promotion(settings: PromoteSettings, *, run: str, default_reward_funcs: 
     staged = stage(p.eval_dataset, settings.shared_dir)
     candidate = candidate or settings.candidate or latest_snapshot(settings.store, settings.candidate_run)
     done = evaluate_and_promote(candidate, run, p, default_reward_funcs, str(staged.manifest_path),
-                                settings.tokenizer, settings.store, settings.staging, settings.production)
+                                settings.tokenizer, settings.store, settings.staging, settings.production,
+                                run_name=run_name)
     promotion_report(settings.production, settings.production, done)
     d = done.decision
     get_run_logger().info("%s %s for %s", "promoted" if d.accepted else "refused", candidate, settings.production)

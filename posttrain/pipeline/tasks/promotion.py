@@ -33,11 +33,13 @@ def latest_snapshot(store: str, run: str) -> str:
 
 @task(name="evaluate-and-promote", task_run_name="promote-{candidate}", cache_policy=NO_CACHE)
 def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings, reward_funcs: list[str] | None,
-                         manifest: str, tokenizer: str, store: str, staging: str, production: str) -> Promotion:
+                         manifest: str, tokenizer: str, store: str, staging: str, production: str,
+                         run_name: str | None = None) -> Promotion:
     """Evaluate ``candidate`` and production's champion on staging; promote the candidate when the gate
     accepts, under production's lease (another promotion or rollback holding it, or one that changed
     the champion during the evals: it loses, nothing changed). Not retried by Prefect: a retried flow
-    run (the same ``run``) finds its decision in the history and records nothing twice."""
+    run (the same ``run``) finds its decision in the history and records nothing twice. The events name
+    ``run_name`` (``run`` when not given)."""
     from transformers import AutoTokenizer
 
     logger = get_run_logger()
@@ -51,7 +53,7 @@ def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings,
                        staging=_deployment(staging, stack, completions=True),
                        production=_deployment(production, stack), log=logger.info)
     logger.info("%s", done.decision.reason)
-    events.promotion_decided(run, production, done)
+    events.promotion_decided(run_name or run, production, done)
     return done
 
 
