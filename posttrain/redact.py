@@ -10,7 +10,10 @@ What is scrubbed (replaced by ``***``):
 - the value of a URL's query parameter whose name reads as a credential's (``?sig=...``,
   ``X-Amz-Signature=...``, ``api_key=...``: ``secret_name``, ``QUERY_SECRETS``);
 - the value of a connection string's credential key (``AccountKey=...;``, ``Password=...``:
-  ``CONNECTION_KEYS``).
+  ``CONNECTION_KEYS``);
+- the credentials of an HTTP ``Authorization:`` header (``Authorization: Bearer ***``: ``AUTHORIZATION``);
+- the value of a password-like key (``PASSWORD_KEY``) in JSON or a Python dict's text
+  (``"password": "***"``) and in YAML (``password: ***``).
 
 What reads as a credential (``secret_name``, ``credential_in``) is decided here too, so that what
 refuses a credential (a job's plain ``env``, a block's URL) and what masks one agree.
@@ -54,6 +57,23 @@ CONNECTION_SECRET = re.compile(
     r"(?i)((?:^|(?<=[;\s'\"]))(?:{})\s*=\s*)([^;\s'\"]+)".format(
         "|".join(sorted(CONNECTION_KEYS, key=len, reverse=True)))
 )
+# An HTTP Authorization (or Proxy-Authorization) header, as a header line, a curl -H, or a dict's
+# text ('Authorization': 'Bearer ...'): its credentials after the scheme (Bearer, Basic, token, ...).
+AUTHORIZATION = re.compile(
+    r"""(?i)(\bauthorization["']?\s*[:=]\s*["']?(?:(?:bearer|basic|token|digest|negotiate|aws4-hmac-sha256)\s+)?)"""
+    r"""([^\s'"]+(?:[ \t]+[^\s'"]+=[^\s'"]+)*)""")
+# Keys whose value is a password or a secret, by their ending (password, db_password, PGPASSWORD,
+# client_secret, api_key, access_token); not a bare "token" or "key" (a logprob's "token", an
+# artifact's "key") nor max_tokens.
+PASSWORD_KEY = (r"[\w.-]*?(?:password|passwd|passphrase|secret|api[_-]?key|access[_-]?key|secret[_-]?key|"
+                r"private[_-]?key|account[_-]?key|(?:access|auth|api|bearer|refresh|session|id)[_-]?token)")
+# "password": "..." in JSON ('password': '...' in a Python dict's text): the quoted value.
+JSON_SECRET = re.compile(rf"""(?i)(["']{PASSWORD_KEY}["']\s*:\s*)(["'])((?:\\.|(?!\2)[^\\\n])+)\2""")
+# password: ... in YAML (a block mapping's line, maybe a list item's first key): the rest of the line
+# but a trailing comment; a quoted value keeps its quotes. null, ~ and an empty value are left.
+YAML_SECRET = re.compile(
+    rf"""(?im)^([ \t]*(?:-[ \t]+)?{PASSWORD_KEY}[ \t]*:[ \t]+)"""
+    r"""(?!(?:null|~|\*\*\*)[ \t]*(?:#|$))("[^"\n]*"|'[^'\n]*'|[^\s#'"][^\n]*?)(?=[ \t]+#|[ \t]*$)""")
 
 # Words that mark a variable as a credential when a segment of its name (split at "_") is made of
 # them: DB_PASS, GITHUB_PAT, GH_AUTH, SSH_PRIVATEKEY, API_CREDENTIAL, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
@@ -111,7 +131,16 @@ def scrub(text: object, extra: Iterable[str | None] = ()) -> str:
             out = out.replace(secret, MASK)
     out = URL_USERINFO.sub(rf"\1{MASK}@", out)
     out = URL.sub(_mask_query, out)
+    out = AUTHORIZATION.sub(rf"\1{MASK}", out)
+    out = JSON_SECRET.sub(rf"\1\2{MASK}\2", out)
+    out = YAML_SECRET.sub(_mask_yaml, out)
     return CONNECTION_SECRET.sub(rf"\1{MASK}", out)
+
+
+def _mask_yaml(found: re.Match) -> str:
+    value = found[2]
+    quote = value[0] if value[0] in "'\"" else ""
+    return f"{found[1]}{quote}{MASK}{quote}"
 
 
 def secret_name(name: str) -> bool:

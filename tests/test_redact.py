@@ -52,3 +52,31 @@ def test_credentials_in_connection_strings_and_queries_are_found_and_masked(text
 def test_values_without_credentials_are_left_as_they_are(text: str) -> None:
     assert redact.scrub(text) == text
     assert redact.credential_in(text) is None
+
+
+@pytest.mark.parametrize(("text", "scrubbed"), [
+    ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.sig", "Authorization: Bearer ***"),
+    ("curl -H 'Authorization: Bearer hf_abcdef123' http://gw/v1", "curl -H 'Authorization: Bearer ***' http://gw/v1"),
+    ("headers={'Authorization': 'Bearer sk-live-123456'}", "headers={'Authorization': 'Bearer ***'}"),
+    ('{"Authorization": "Basic dXNlcjpwYXNz"}', '{"Authorization": "Basic ***"}'),
+    ("proxy-authorization: token ghp_0123456789", "proxy-authorization: token ***"),
+    ('{"user": "app", "password": "hunter2"}', '{"user": "app", "password": "***"}'),
+    ('{"db_password":"p\\"q w"}', '{"db_password":"***"}'),  # an escaped quote and a blank inside
+    ("{'client_secret': 'abc123', 'region': 'x'}", "{'client_secret': '***', 'region': 'x'}"),
+    ('"api_key" : "xyz"', '"api_key" : "***"'),
+    ("db:\n  user: app\n  password: hunter2 with blanks\n  port: 5432",
+     "db:\n  user: app\n  password: ***\n  port: 5432"),
+    ("password: 'hunter2'  # the site's\nPGPASSWORD: \"x y\"", "password: '***'  # the site's\nPGPASSWORD: \"***\""),
+    ("- access_token: abc.def\n- name: x", "- access_token: ***\n- name: x"),
+])  # fmt: skip
+def test_authorization_headers_and_passwords_in_json_and_yaml_are_masked(text: str, scrubbed: str) -> None:
+    assert redact.scrub(text) == scrubbed
+    assert redact.scrub(scrubbed) == scrubbed
+
+
+@pytest.mark.parametrize("text", [
+    '{"token": "hello", "logprob": -0.1}', "eval_max_tokens: 6", '{"max_tokens": 16, "key": "runs/x"}',
+    "password: null", "password:", "secret_ref: {name: x}", "an authorization error", "tokenizer: /models/x",
+])  # fmt: skip
+def test_json_and_yaml_without_credentials_are_left_as_they_are(text: str) -> None:
+    assert redact.scrub(text) == text
