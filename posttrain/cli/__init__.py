@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
             problems = validation_problems(e)  # a model-level check's message names its fields itself
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            print(f"posttrain: error: {redact.scrub(f'{e.title}: {problems[0]}{more}')}", file=sys.stderr)
+            # one built with no errors (ValidationError.from_exception_data(title, [])) names none
+            line = f"{e.title}: {problems[0]}{more}" if problems else f"{e.title}: is not valid (no problem was named)"
+            print(f"posttrain: error: {redact.scrub(line)}", file=sys.stderr)
             return 2
         if isinstance(e, UsageError) or _loaded_class("posttrain.chain.errors", "ChainError", e) or _loaded_class(
             "posttrain.storage.errors", "StorageError", e

@@ -179,3 +179,19 @@ def test_a_busy_poll_of_rollback_is_named(value):
     args = argparse.Namespace(timeout=60.0, poll_interval=value, api_url="http://127.0.0.1:1")
     with pytest.raises(UsageError, match=r"^--poll-interval .*: must be at least 0.05 seconds"):
         _config(args, "prod")
+
+
+def test_main_prints_a_validation_error_that_names_no_problem_as_one_line(monkeypatch, capsys):
+    """A ValidationError with an empty error list (``from_exception_data(title, [])``) is still one line
+    naming the model, with exit status 2, not an IndexError out of main."""
+    import posttrain.cli.chain as chain_cli
+    from posttrain.cli import main
+
+    def failing(args):
+        from pydantic_core import ValidationError
+
+        raise ValidationError.from_exception_data("Settings", [])
+
+    monkeypatch.setattr(chain_cli, "cmd_verify", failing)
+    assert main(["chain", "verify", "x"]) == 2
+    assert capsys.readouterr().err == "posttrain: error: Settings: is not valid (no problem was named)\n"
