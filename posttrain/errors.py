@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class TransientError(Exception):
@@ -21,6 +22,15 @@ def describe_os_error(e: OSError) -> str:
     reason = e.strerror or str(e)
     paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
     return f"{' -> '.join(paths)}: {reason}" if paths else reason
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file at ``folder`` or at one of its parents, which keeps it from being a folder (mkdir would
+    say only "Not a directory" or "File exists"), or None."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            return p if not p.is_dir() else None
+    return None
 
 
 @contextmanager
@@ -63,4 +73,4 @@ def describe_validation_error(e: object, names: dict[str, str] | None = None) ->
     return f"{problems[0]}{more}"
 
 
-__all__ = ["TransientError", "describe_os_error", "describe_validation_error", "naming", "validation_problems"]
+__all__ = ["TransientError", "describe_os_error", "describe_validation_error", "file_in_the_way", "naming", "validation_problems"]

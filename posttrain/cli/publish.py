@@ -70,7 +70,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from posttrain.chain.policy import ChainPolicy
     from posttrain.cli import UsageError
     from posttrain.cli.chain import human_bytes
-    from posttrain.errors import describe_os_error, describe_validation_error
+    from posttrain.errors import describe_os_error, describe_validation_error, file_in_the_way
     from posttrain.publish import PublishConfig, Publisher
     from posttrain.storage import open_store
 
@@ -80,6 +80,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
                                async_publish=not args.sync, lock_timeout=args.lock_timeout)
     except ValidationError as e:
         raise UsageError(describe_validation_error(e, OPTION_NAMES)) from None
+    if (file := file_in_the_way(config.work_dir)) is not None:  # named as posttrain serve names it
+        where = "" if file == config.work_dir else f"{file} "
+        raise UsageError(f"work_dir (--work-dir) {config.work_dir}: {where}is a file, not a folder")
     steps = _steps(args)
     options = s3_options(args)
 

@@ -38,7 +38,7 @@ from posttrain.chain.format import Flavor
 from posttrain.chain.ops import checkpoint_step
 from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter, SnapshotRecord
-from posttrain.errors import describe_os_error, naming
+from posttrain.errors import describe_os_error, file_in_the_way, naming
 from posttrain.publish.content import checkpoint_content, head_content
 from posttrain.publish.lease import base_retired, publishing
 from posttrain.publish.ledger import (
@@ -120,8 +120,9 @@ class Publisher:
         self.writer = ChainWriter(config.work_dir / "chain", flavor=config.flavor, run=config.run,
                                   policy=config.policy, max_shard_bytes=config.max_shard_size, workers=config.workers)
         work_dir = config.work_dir
-        if work_dir.exists() and not work_dir.is_dir():
-            raise PublishError(f"work dir {work_dir} is not a folder")
+        if (file := file_in_the_way(work_dir)) is not None:  # mkdir would say only "Not a directory"
+            raise PublishError(f"work dir {work_dir} is not a folder" if file == work_dir
+                               else f"work dir {work_dir}: {file} is a file, not a folder")
         try:
             work_dir.mkdir(parents=True, exist_ok=True)
             self._lock = WorkDirLock(work_dir, timeout=config.lock_timeout)

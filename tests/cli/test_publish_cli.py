@@ -98,7 +98,8 @@ def test_a_second_publisher_on_the_work_dir_fails_fast(runs, tmp_path):
 
 @pytest.mark.parametrize(("case", "expected"), [
     ("missing checkpoint", "checkpoint {tmp}/nope/checkpoint-1 does not exist"),
-    ("work dir is a file", "work dir {tmp}/afile is not a folder"),
+    ("work dir is a file", "work_dir (--work-dir) {tmp}/afile: is a file, not a folder"),
+    ("work dir under a file", "work_dir (--work-dir) {tmp}/afile/sub/work: {tmp}/afile is a file, not a folder"),
     ("store is a file", "store {tmp}/afile: is not a folder"),
     ("empty run", "--run: String should have at least 1 character"),
     ("run with a slash", "--run: run name 'a/ledger' must be 1-128 letters, digits, '_', '.' or '-', starting "
@@ -116,6 +117,8 @@ def test_bad_input_is_one_line(runs, tmp_path, case, expected):
         args["ckpt"] = tmp_path / "nope" / "checkpoint-1"
     elif case == "work dir is a file":
         args["--work-dir"] = tmp_path / "afile"
+    elif case == "work dir under a file":
+        args["--work-dir"] = tmp_path / "afile" / "sub" / "work"
     elif case == "store is a file":
         args["--store"] = tmp_path / "afile"
     elif case == "empty run":

@@ -159,6 +159,10 @@ def test_a_work_dir_that_is_a_file_is_one_error(tmp_path):
     (tmp_path / "file").touch()
     with pytest.raises(PublishError, match=f"work dir {tmp_path / 'file'} is not a folder"):
         Publisher(LocalStore(tmp_path / "store"), PublishConfig(run="r1", work_dir=tmp_path / "file"))
+    under = tmp_path / "file" / "sub" / "work"  # a parent is a file: named, not "Not a directory"
+    with pytest.raises(PublishError) as err:
+        Publisher(LocalStore(tmp_path / "store"), PublishConfig(run="r1", work_dir=under))
+    assert str(err.value) == f"work dir {under}: {tmp_path / 'file'} is a file, not a folder"
 
 
 def _enospc(*args, **kwargs):
