@@ -7,7 +7,7 @@ It is a ``posttrain.storage.lease.StoreLease`` (create-only, an expired one take
 ETag), renewed by a thread of the holder every quarter of its TTL, so a holder that dies lets
 go within the TTL and a slow hot-load keeps it. A second operation on the same deployment
 loses at once (``DeploymentBusy``: who holds it, until when), unless it is a retry of the run
-that holds it (same flow run name): that one takes it over.
+that holds it (the same run, unique to a flow run and kept by its retries): that one takes it over.
 
 The record carries ``pending``, the identity production is being switched to: it is written
 before the history record and cleared once production serves what the history says. A lease
