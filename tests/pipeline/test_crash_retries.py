@@ -53,7 +53,22 @@ async def _wait_state(client, run_id, name: str, timeout: float):
         await asyncio.sleep(0.5)
 
 
-async def _crash_until_left(retries: int) -> tuple[list, object]:
+async def _retry_events(client, run_id, count: int, timeout: float = 60) -> list[dict]:
+    """The automations' actions on the run (``prefect.automation.action.executed``), once ``count`` are stored
+    (written after the state)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = await client._client.post("/events/filter", json={"filter": {
+            "event": {"name": ["prefect.automation.action.executed"]},
+            "related": {"id": [f"prefect.flow-run.{run_id}"]}, "order": "ASC"}, "limit": 50})
+        response.raise_for_status()
+        events = response.json()["events"]
+        if len(events) >= count or time.monotonic() > deadline:
+            return events
+        await asyncio.sleep(1)
+
+
+async def _crash_until_left(retries: int) -> tuple[list, object, list[dict]]:
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed, Pending, Running
 
@@ -69,9 +84,10 @@ async def _crash_until_left(retries: int) -> tuple[list, object]:
         await asyncio.sleep(SETTLE_S)
         final = await client.read_flow_run(run.id)
         history = await client.read_flow_run_states(run.id)
+        events = await _retry_events(client, run.id, retries)
         await client.delete_flow_run(run.id)
         await client.delete_deployment(deployment_id)
-    return history, final
+    return history, final, events
 
 
 async def _crash_before_running():
@@ -93,12 +109,15 @@ async def _crash_before_running():
 @pytest.mark.timeout(REACTION_S * DEFAULT_RETRIES + 120)
 def test_a_crashed_run_is_retried_at_most_the_bound_then_left_for_a_person(prefect_api):
     install_crashed_runs_automation()  # what posttrain prefect-setup installs (idempotent)
-    history, final = asyncio.run(_crash_until_left(DEFAULT_RETRIES))
+    history, final, events = asyncio.run(_crash_until_left(DEFAULT_RETRIES))
     retried = [s for s in history if s.name == "AwaitingRetry"]
     assert len(retried) == DEFAULT_RETRIES, [s.name for s in history]
     assert all(AUTOMATION_NAME in (s.message or "") and f"at most {DEFAULT_RETRIES} times" in s.message
                for s in retried), [s.message for s in retried]
     assert final.state.is_crashed() and final.run_count == DEFAULT_RETRIES + 1, (final.state, final.run_count)
+    # each retry is an event of the automation that made it, naming the run it acted on
+    assert len(events) == DEFAULT_RETRIES, events
+    assert all(event["resource"].get("prefect.resource.name") == AUTOMATION_NAME for event in events), events[0]
 
 
 @pytest.mark.timeout(SETTLE_S + 120)

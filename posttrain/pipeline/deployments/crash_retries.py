@@ -16,9 +16,9 @@ counts 1 to ``retries``. So a run that crashes on its (``retries`` + 1)th attemp
 for a person (docs/recovery.md). A run that crashed before it ever ran (count 0: its
 infrastructure did not start) is not retried either: a retry would meet the same fault forever.
 
-Visibility: the AwaitingRetry state's message says who retried it and the bound, and its
-``prefect.flow-run.AwaitingRetry`` event names this automation among its related resources
-(Prefect adds the automation that acted), as does ``prefect.automation.action.executed``.
+Visibility: the AwaitingRetry state's message says who retried it and the bound; each retry is
+a ``prefect.automation.action.executed`` event whose resource is this automation and whose related
+resources include the flow run (role ``target``), besides the run's ``prefect.flow-run.AwaitingRetry``.
 """
 
 from __future__ import annotations

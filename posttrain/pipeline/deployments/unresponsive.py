@@ -5,8 +5,9 @@ A flow run started by a worker emits a ``prefect.flow-run.heartbeat`` event ever
 minimum). When the worker, or the login node it runs on, is lost, the heartbeats stop but the run
 stays Running, and Prefect refuses to retry a Running run. This automation (Prefect's documented
 "zombie flow" recipe, limited to runs tagged ``posttrain``) marks such a run Crashed once no
-heartbeat or final state has come for ``timeout`` seconds after its last heartbeat; from Crashed,
-``prefect flow-run retry`` and the UI's Retry work, and the retried run finds its job on the
+heartbeat or final state has come for ``timeout`` seconds after its last heartbeat. From Crashed,
+the automation of ``crash_retries.py`` retries it without a person (a bounded number of times),
+as ``prefect flow-run retry`` and the UI's Retry do, and the retried run finds its job on the
 cluster (still running, or finished) instead of submitting another.
 """
 
@@ -59,7 +60,7 @@ def unresponsive_runs_automation(timeout_s: int = DEFAULT_TIMEOUT_S):
         ),
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                     message=f"No heartbeat for {timeout_s} s: the worker running this flow run "
-                                            "was lost. Retry it: the retried run finds its job.")],
+                                            "was lost. It can be retried: the retried run finds its job.")],
     )
 
 
