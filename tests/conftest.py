@@ -15,7 +15,17 @@ fixtures, a vLLM server for instance, start once), run by whichever worker is fr
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One OpenMP/MKL thread for torch in every test process and in what they start (trainers, flow runs, the
+# Prefect worker, Slurm jobs submitted from here, vLLM): the suite runs two xdist workers on two cores, and
+# a tiny model's ops split over two threads that share a core with the other worker spin at every
+# barrier. Two sessions of the trainer tests side by side took 63 s with torch's default (a thread per
+# core), 32 s with one. Set before anything imports torch; a value the caller exported wins.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 pytest_plugins = [
     "tests.support.cluster",
