@@ -1,5 +1,7 @@
 """Data-parallel training on CPU (gloo) as torchrun starts it: two processes of one node here, the
-same launch as one process on each of two nodes. Both modes; rank 0 alone writes."""
+same launch as one process on each of two nodes. Both modes; rank 0 alone writes. The one-process
+runs they are compared with train in this process (as the two-node Slurm test's reference does):
+a torchrun of one process cost a launcher and a trainer start more, for the same update."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from posttrain.datasets.toy import toy_prompt_rows
 from posttrain.rewards import length_reward
 from posttrain.rollouts.format import write_rollouts
 from posttrain.testing.sampler import sample_rollouts
+from posttrain.trainer import TrainerConfig, run_training
 from posttrain.trainer.checkpoints import complete_checkpoints
 from tests.trainer.test_trainer_probe import check_probe_of
 
@@ -28,6 +31,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_model_dir):
+    """Rollouts of the tiny model on four toy prompts, for both modes' updates."""
+    return sample_rollouts(tiny_model_dir, toy_prompt_rows(4), group_size=4, max_new_tokens=8,
+                           reward_func=length_reward)  # fmt: skip
 
 
 def _torchrun(tmp_path: Path, config: dict, nproc: int, watched: Path) -> tuple[str, dict[int, list[str]]]:
@@ -73,29 +83,28 @@ def test_grpo_on_two_ranks_rank0_writes_every_checkpoint_file(tiny_model_dir, st
 
 
 @pytest.mark.slow
-def test_step_on_two_ranks_is_the_one_process_update(tiny_model_dir, tmp_path: Path) -> None:
+def test_step_on_two_ranks_is_the_one_process_update(tiny_model_dir, rollouts, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    rollouts = sample_rollouts(tiny_model_dir, toy_prompt_rows(4), group_size=4, max_new_tokens=8,
-                               reward_func=length_reward)  # fmt: skip
     path = write_rollouts(tmp_path / "rollouts.jsonl", rollouts)
     weights = {}
     for nproc in (1, 2):
         out = tmp_path / f"step-{nproc}"
         config = dict(mode="step", model_name_or_path=str(tiny_model_dir), output_dir=str(out), rollouts=str(path),
                       learning_rate=1e-3, per_device_train_batch_size=6, num_iterations=2, use_cpu=True)  # fmt: skip
-        log, writes = _torchrun(tmp_path, config, nproc, out)
-        if nproc == 2:
+        if nproc == 1:
+            run_training(TrainerConfig(**config))
+        else:
+            log, writes = _torchrun(tmp_path, config, nproc, out)
             assert "distributed: rank 1 of world size 2" in log and "backend gloo" in log
             assert writes.get(1, []) == []
+            assert len((out / "results.jsonl").read_text().splitlines()) == 1  # rank 0's
         (checkpoint,) = complete_checkpoints(out)
         state = json.loads((checkpoint.path / "trainer_state.json").read_text())
         assert (state["global_step"], state["rollouts_used"]) == (2, 16)
         weights[nproc] = load_file(str(checkpoint.path / "model.safetensors"))
         check_probe_of(checkpoint.path)
-        lines = (out / "results.jsonl").read_text().splitlines()
-        assert len(lines) == 1
     changed = False
     for name, tensor in weights[1].items():
         torch.testing.assert_close(weights[2][name], tensor, rtol=1e-5, atol=1e-6)
@@ -124,15 +133,13 @@ def test_backend_and_ranks_come_from_the_launcher(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_resident_on_two_ranks_is_the_one_process_run(tiny_model_dir, tmp_path: Path) -> None:
+def test_resident_on_two_ranks_is_the_one_process_run(tiny_model_dir, rollouts, tmp_path: Path) -> None:
     """Both ranks wait for each round's marker and train their share; rank 0 alone writes."""
     import torch
     from safetensors.torch import load_file
 
     from posttrain.trainer.rounds import hand_round, round_dir
 
-    rollouts = sample_rollouts(tiny_model_dir, toy_prompt_rows(4), group_size=4, max_new_tokens=8,
-                               reward_func=length_reward)  # fmt: skip
     rounds_dir = tmp_path / "rounds"
     for r in range(2):
         write_rollouts(round_dir(rounds_dir, r) / "rollouts.jsonl", rollouts)
@@ -143,14 +150,17 @@ def test_resident_on_two_ranks_is_the_one_process_run(tiny_model_dir, tmp_path: 
         config = dict(mode="resident", model_name_or_path=str(tiny_model_dir), output_dir=str(out),
                       rounds_dir=str(rounds_dir), rounds=2, round_timeout_s=60, learning_rate=1e-3,
                       per_device_train_batch_size=6, max_staleness=2, use_cpu=True)  # fmt: skip
-        log, writes = _torchrun(tmp_path, config, nproc, out)
-        if nproc == 2:
+        if nproc == 1:
+            result = run_training(TrainerConfig(**config))
+            assert (result.rounds_done, result.completed) == (2, True)
+        else:
+            log, writes = _torchrun(tmp_path, config, nproc, out)
             assert "distributed: rank 1 of world size 2" in log
             assert writes.get(1, []) == []
+            results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+            assert [(r["mode"], r["rounds_done"], r["completed"]) for r in results] == [("resident", 2, True)]
         assert [c.step for c in complete_checkpoints(out)] == [1, 2]
         weights[nproc] = load_file(str(out / "checkpoint-2" / "model.safetensors"))
         check_probe_of(out / "checkpoint-2")
-        results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-        assert [(r["mode"], r["rounds_done"], r["completed"]) for r in results] == [("resident", 2, True)]
     for name, tensor in weights[1].items():
         torch.testing.assert_close(weights[2][name], tensor, rtol=1e-5, atol=1e-6)
