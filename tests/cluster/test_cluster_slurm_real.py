@@ -46,14 +46,19 @@ def _config(shared: Path, **change) -> SlurmConfig:
     )
 
 
+def _step(state: Path) -> int:
+    """The step a counting job wrote last (0 before its first)."""
+    try:
+        return json.loads(state.read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
 def _wait_for_step(state: Path, step: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if json.loads(state.read_text())["step"] >= step:
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
+        if _step(state) >= step:
+            return
         time.sleep(0.2)
     raise AssertionError(f"{state} never reached step {step}")
 
@@ -70,6 +75,11 @@ def _requeue_and_release(job_id: str) -> None:
     """`scontrol requeue`, then lift the ~120 s BeginTime hold Slurm puts on requeued jobs (not to
     `now`: a relaunch in the second of the requeue is killed with "credential revoked")."""
     subprocess.run(["scontrol", "requeue", job_id], check=True)
+    _release(job_id)
+
+
+def _release(job_id: str) -> None:
+    """Lift the BeginTime hold of a job just requeued (``_requeue_and_release``)."""
     deadline = time.monotonic() + 60
     while "Reason=BeginTime" not in _scontrol_show(job_id):
         assert time.monotonic() < deadline, _scontrol_show(job_id)
@@ -152,26 +162,38 @@ def test_cancel_when_the_caller_aborts(shared: Path, slurm_jobs: list) -> None:
     assert "CANCELLED" in handle.failure_reason()
 
 
-@pytest.mark.parametrize("kind", ["callable", "command"])
-def test_requeued_job_resumes_from_its_checkpoint(shared: Path, slurm_jobs: list, kind: str) -> None:
-    state = shared / f"{kind}.json"
-    if kind == "callable":
-        spec = JobSpec(name="resume", function=CountingJob(), args=(40, str(state), 0.25))
-    else:
-        spec = JobSpec(
+def test_requeued_jobs_resume_from_their_checkpoints(shared: Path, slurm_jobs: list) -> None:
+    """A callable and a command, each requeued while it counts; both jobs at once, one CPU each (each
+    alone waited for its own requeue hold and restart)."""
+    specs = {
+        "callable": JobSpec(name="resume", function=CountingJob(), args=(40, str(shared / "callable.json"), 0.25)),
+        "command": JobSpec(
             name="resume-cmd",
             command=[sys.executable, "-m", "posttrain.cluster.smoke", "--steps", "40", "--sleep", "0.25",
-                     "--state", str(state)],  # fmt: skip
-        )
-    handle = SlurmBackend(_config(shared, max_requeues=2)).submit(spec)
-    slurm_jobs.append(handle)
-    _wait_for_step(state, 3)
-    _requeue_and_release(handle.job_id)
-    assert handle.wait(timeout_s=120) == JobState.COMPLETED
-    first, second = _starts(state)
-    assert first == {"resumed_from": 0, "slurm_restart_count": "0"}
-    assert 3 <= second["resumed_from"] < 40 and second["slurm_restart_count"] == "1"  # not from scratch
-    assert json.loads(state.read_text())["step"] == 40
+                     "--state", str(shared / "command.json")],  # fmt: skip
+        ),
+    }
+    backend = SlurmBackend(_config(shared, max_requeues=2))
+    handles = {kind: backend.submit(spec) for kind, spec in specs.items()}
+    slurm_jobs.extend(handles.values())
+    requeued: list[str] = []  # each as soon as it counted to 3, so neither finishes before its requeue
+    deadline = time.monotonic() + 60
+    while len(requeued) < len(handles):
+        for kind, handle in handles.items():
+            if kind not in requeued and _step(shared / f"{kind}.json") >= 3:
+                subprocess.run(["scontrol", "requeue", handle.job_id], check=True)
+                requeued.append(kind)
+        assert time.monotonic() < deadline, f"only {requeued} counted to 3 in 60 s"
+        time.sleep(0.2)
+    for handle in handles.values():
+        _release(handle.job_id)
+    for kind, handle in handles.items():
+        state = shared / f"{kind}.json"
+        assert handle.wait(timeout_s=120) == JobState.COMPLETED, kind
+        first, second = _starts(state)
+        assert first == {"resumed_from": 0, "slurm_restart_count": "0"}, kind
+        assert 3 <= second["resumed_from"] < 40 and second["slurm_restart_count"] == "1", kind  # not from scratch
+        assert json.loads(state.read_text())["step"] == 40, kind
 
 
 def test_timeout_signal_checkpoints_the_command_and_requeues(shared: Path, slurm_jobs: list) -> None:
