@@ -99,7 +99,7 @@ class ReplicaReadback:
                       first: bool = False) -> str | None:
         """Why ``r``'s parameters are not ``folder``'s (None when they are), read from ``r`` now. ``first``:
         right after a switch or restart, when the identity it reports is recorded, not compared."""
-        if not reads_back(r) or r.readback is None:
+        if not reads_back(r) or not r.readback:  # nothing comparable: an engine's own label covers identity
             return None
         first = first or not r.held_checked  # never read back whole yet: what it holds now is recorded
         report = r.client.read_held(r.readback)
