@@ -45,6 +45,7 @@ ORCHESTRATION = "orchestration"
 # The Slurm cluster: the tests that use it without the Prefect server, one after another.
 SLURM_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes"}
 SLURM = "slurm"
+VLLM = "vllm"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,6 +75,10 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
             return ORCHESTRATION
         if SLURM_FIXTURES & fixtures or item.get_closest_marker("slurm"):
             return SLURM
+        if item.get_closest_marker("vllm"):
+            # vLLM's CPU build pins its engine to core 0: two engines starting at once (two modules in
+            # two workers) passed 300 s to start in a run of the suite, so they take turns
+            return VLLM
         return item.nodeid.split("::", 1)[0]
 
     groups = {id(item): group(item) for item in items}
