@@ -84,7 +84,7 @@ def assert_goodput_adds_up(flow_run_id: str | UUID, artifact, tolerance: float =
 def assert_nightly_events(setup, flow_run_id: str, name: str, entries: list) -> None:
     """The events of a completed nightly run (``name``: its run folder's name; ``entries``: its
     ledger): the job submitted then completed, each snapshot published once, each hot-load.
-    Called by the nightly deployment test of test_flows_deployment.py on its run."""
+    Called by the two-nights test of test_flows_concurrency.py on its first night."""
     events = wait_events(flow_run_id, lambda ev: len(named(ev, "posttrain.hotload.succeeded")) == len(entries)
                          and named(ev, "posttrain.job.completed"))
     run_id = f"posttrain.run.{name}"

@@ -289,10 +289,12 @@ def test_a_resident_grpo_run_on_slurm_is_one_sbatch_job(tiny_setup, nodes, reque
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeypatch):
-    # Round sampling lasts >= 4 s (a slow reward); once round 0's checkpoint is written, the job is
-    # requeued (scontrol requeue) while it waits for round 1: its second start resumes from
-    # checkpoint-1 and trains rounds 1 to 5; the flow follows the same job throughout (six rounds, one
-    # node, one sbatch job).
+    # Round sampling lasts >= 4 s (a slow reward) until the requeue; once round 0's checkpoint is
+    # written, the job is requeued (scontrol requeue) while it waits for round 1: its second start
+    # resumes from checkpoint-1 and trains rounds 1 to 5; the flow follows the same job throughout (six
+    # rounds, one node, one sbatch job). The rounds sampled after the requeue are quick (they are
+    # sampled in this process, which reads the reward's delay at each call).
+    import os
     import subprocess
     import threading
 
@@ -322,6 +324,7 @@ def test_a_requeued_resident_job_resumes_from_its_last_round(tiny_setup, monkeyp
                 requeued["had_2"] = (run_dir / "policy" / "checkpoint-2").exists()
                 _requeue_and_release(job.job_id)
                 requeued["job"] = job
+                os.environ[SLOW_SECONDS_ENV] = "0"  # monkeypatch puts the variable back at teardown
                 return
             time.sleep(0.2)
 

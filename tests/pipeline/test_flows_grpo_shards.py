@@ -1,5 +1,5 @@
 """GRPO rollout shards (the ``rollout-shard`` task, mapped): the shards of a round run
-concurrently, and a shard that fails with a transient error is retried alone.
+concurrently, and a shard that fails with a transient error is retried alone (one run shows both).
 
 The grpo flow runs in this process against the Prefect server; what ran when is read back from
 the server (the task runs and their states)."""
@@ -58,17 +58,24 @@ def count_tokenizer_loads(monkeypatch) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_rollout_shards_of_a_round_run_concurrently(tiny_setup, monkeypatch):
+def test_shards_run_concurrently_and_a_failing_one_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
     # Every shard's body lasts >= 3 s (one prompt, a reward function that sleeps), so shards run one
-    # after the other would take >= 12 s and never overlap.
+    # after the other would take >= 12 s and never overlap. The first call of flaky_reward, in
+    # whichever shard makes it, raises ConnectionError (transient).
     monkeypatch.setenv(SLOW_SECONDS_ENV, "3")
+    marker = tmp_path / "flaky-fired"
+    monkeypatch.setenv(FLAKY_MARKER_ENV, str(marker))
     loads = count_tokenizer_loads(monkeypatch)
-    state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-overlap", shards=4,
-                                                reward_funcs=["tests.pipeline.flaky:slow_reward"]))
+    # per_round: its goodput check below reads a round's step job (queue, start-up, training after sampling).
+    state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-flaky", shards=4,
+                                                reward_funcs=["tests.pipeline.flaky:slow_reward",
+                                                              "tests.pipeline.flaky:flaky_reward"],
+                                                trainer_job="per_round"))
     assert state.is_completed(), state.message
-    assert loads == [str(tiny_setup.base_model)], loads  # the four shards share one tokenizer load
-    report = state.result()
-    assert report.rounds[0]["samples"] > 0
+    assert marker.exists()
+    assert read_flow_run(flow_run_id).name.startswith("flows-grpo-flaky-")  # named from the run name
+    assert loads == [str(tiny_setup.base_model)], loads  # the four shards (and the retry) share one tokenizer load
+    assert state.result().rounds[0]["samples"] > 0
 
     shards = shard_runs(flow_run_id)
     assert sorted(shards) == [f"round-0-shard-{s}" for s in range(4)]
@@ -79,26 +86,12 @@ def test_rollout_shards_of_a_round_run_concurrently(tiny_setup, monkeypatch):
     # all four started before the first one finished
     assert max(s for s, _ in intervals) < min(e for _, e in intervals), spans
 
+    assert_one_shard_retried(flow_run_id, shards=4)
 
-@pytest.mark.timeout(240)
-def test_a_failing_shard_is_retried_alone(tiny_setup, monkeypatch, tmp_path):
-    # The first call of flaky_reward, in whichever shard makes it, raises ConnectionError (transient).
-    marker = tmp_path / "flaky-fired"
-    monkeypatch.setenv(FLAKY_MARKER_ENV, str(marker))
-    # per_round: its goodput check below reads a round's step job (queue, start-up, training after sampling).
-    state, flow_run_id = run_grpo(grpo_settings(tiny_setup, "flows-grpo-flaky", shards=3,
-                                                reward_funcs=["tests.pipeline.flaky:flaky_reward"],
-                                                trainer_job="per_round"))
-    assert state.is_completed(), state.message
-    assert marker.exists()
-    assert read_flow_run(flow_run_id).name.startswith("flows-grpo-flaky-")  # named from the run name
-
-    assert_one_shard_retried(flow_run_id, shards=3)
-
-    # The round still merged all three shards.
+    # The round still merged all four shards.
     name = f"flows-grpo-flaky-{str(flow_run_id).replace('-', '')[:8]}"  # the flow run's own run name
     rollouts = tiny_setup.shared_dir / "runs" / name / "rounds" / "0000"
-    assert sorted(p.name for p in rollouts.glob("shard-*.jsonl")) == [f"shard-{s:03d}.jsonl" for s in range(3)]
+    assert sorted(p.name for p in rollouts.glob("shard-*.jsonl")) == [f"shard-{s:03d}.jsonl" for s in range(4)]
 
     # The run's artifacts: the rounds table and the reward curve (an inline SVG).
     from prefect import get_client
