@@ -3,14 +3,19 @@
 Tests that need a service (Slurm, SeaweedFS, a Prefect server, Prometheus) are marked ``services``:
 ``pytest -m "not services"`` is the fast subset that starts nothing.
 
-Under pytest-xdist (the test command runs ``-n 2 --dist loadgroup``) the tests of the suite's
-Prefect server (``prefect_api``: its process worker, the default blocks that point at this
-session's reference server) form one group, run first and one after another in one worker; the
-other tests that run jobs on the Slurm cluster (its fixtures, or the ``slurm`` mark) form a second,
-run one after another beside it. The cluster's two nodes have room for a job of each group at once
-(a CPU each per node); within a group, tests that assert how fast a cancel or requeue acts never
-share the nodes with another of the group. Every other module is a group of its own (its module
-fixtures, a vLLM server for instance, start once), run by whichever worker is free.
+Under pytest-xdist (the test command runs ``-n 2 --dist loadgroup``) tests that share something are
+a group, run one after another in one worker:
+- orchestration: the tests of the suite's Prefect server (``prefect_api``: its process worker, the
+  default blocks that point at this session's reference server), first;
+- slurm: the other tests that run jobs on the Slurm cluster (its fixtures, or the ``slurm`` mark),
+  beside it. The cluster's two nodes have room for a job of each group at once (a CPU each per
+  node); within a group, tests that assert how fast a cancel or requeue acts never share the nodes;
+- vllm: the tests that start vLLM (the ``vllm`` mark), also a module marked ``prefect_own_blocks``
+  whose flows use the suite's Prefect server with blocks of their own only. vLLM's CPU build pins
+  its engine to core 0 of the two (the other kept for the rest): two engines at once ran at half
+  speed on one core, and two starts passed 300 s in one run of the suite.
+Every other module is a group of its own (its module fixtures start once), run by whichever worker
+is free.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ VLLM = "vllm"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: runs jobs on the Slurm cluster without asking for its fixture at "
                                        "collection (the Slurm group of tests/conftest.py)")
+    config.addinivalue_line("markers", "prefect_own_blocks: uses the suite's Prefect server with blocks of its own "
+                                       "only (not the default blocks, the deployments or the worker): it may run "
+                                       "beside the orchestration group (tests/conftest.py)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker adds each group to the test ids
@@ -65,24 +73,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
-    """The orchestration tests first (the longest group starts at once), then the Slurm group (the
-    second longest, beside it), each in collection order. (Taking the vLLM groups first as well ran
-    them all beside the orchestration group, and the suite took longer: both are CPU-bound on two
-    cores.)"""
+    """The groups of the module docstring: orchestration first (the longest starts at once), then
+    slurm beside it, then vllm, each in collection order, then every other module."""
     def group(item: pytest.Item) -> str:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if ORCHESTRATION_FIXTURES & fixtures:
+        if ORCHESTRATION_FIXTURES & fixtures and not item.get_closest_marker("prefect_own_blocks"):
             return ORCHESTRATION
         if SLURM_FIXTURES & fixtures or item.get_closest_marker("slurm"):
             return SLURM
         if item.get_closest_marker("vllm"):
-            # vLLM's CPU build pins its engine to core 0: two engines starting at once (two modules in
-            # two workers) passed 300 s to start in a run of the suite, so they take turns
             return VLLM
         return item.nodeid.split("::", 1)[0]
 
     groups = {id(item): group(item) for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    first = {ORCHESTRATION: 0, SLURM: 1}
-    items.sort(key=lambda i: first.get(groups[id(i)], 2))  # stable: collection order within each part
+    first = {ORCHESTRATION: 0, SLURM: 1, VLLM: 2}
+    items.sort(key=lambda i: first.get(groups[id(i)], 3))  # stable: collection order within each part

@@ -16,7 +16,8 @@ from pydantic import SecretStr
 
 from tests.support.vllm import require_vllm, vllm_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# its blocks are its own (BLOCKS): it runs in the vllm group, beside the orchestration group (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.prefect_own_blocks]
 require_vllm()
 
 BLOCKS = "grpo-vllm"
