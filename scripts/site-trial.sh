@@ -36,8 +36,9 @@
 # promote and rollback too); a run on a block whose shared_dir is the page's old value (/mnt/shared)
 # fails before anything is staged, naming base_model and the block's fields; the page's run line on
 # its Slurm block completes, its job in the block's job folder, its last checkpoint served.
-# --all: the Slurm path's values and steps, then the local path's deploy line and step 5 (its run on
-# the local block, with the page's paths).
+# --all: the Slurm path's values and steps, then the local path's deploy line. Its step 5 is left out:
+# the Slurm path's run is a run of the same deployment with a parameter changed (cluster), checked the
+# same way; the local block's runs are the rest of the suite's (tests/pipeline).
 set -euo pipefail
 MODE=local
 case "${1:-}" in
@@ -247,8 +248,12 @@ from prefect import get_client
 run_id, gateway, shared_dir, block_shared = sys.argv[1:5]
 with get_client(sync_client=True) as c:
     run = c.read_flow_run(run_id)
+    deployment = c.read_deployment(run.deployment_id)
 assert run.state.is_completed(), run.state
 assert run.parameters["cluster"].startswith("posttrain-slurm-cluster/"), run.parameters["cluster"]
+changed = {k for k, v in run.parameters.items() if deployment.parameters.get(k) != v}
+assert "cluster" in changed, (run.parameters, changed)  # the page's --param, the deployment's values for the rest
+assert run.name.startswith("nightly-") and run.name.count("-") >= 4, run.name  # date and a short id
 # the run's folder on the page's shared_dir (the mismatched run made none), its job in the block's
 ckpts = list(Path(shared_dir, "runs").glob("*/output/checkpoint-2"))
 assert len(ckpts) == 1, sorted(Path(shared_dir).glob("*/*/*"))
@@ -266,7 +271,8 @@ if local_path; then
   POSTTRAIN_IMAGE=registry/posttrain:trial POSTTRAIN_PVC=shared PWD="$DIR/clone" "$PY" -m prefect --no-prompt deploy --all >"$DIR/deploy.log" 2>&1 \
     || fail "deploy --all: $(tail -20 "$DIR/deploy.log")"
   say "ok: deployed"
-
+fi
+if [ "$MODE" = local ]; then  # (--all: the Slurm path's run is the one run, its --param checked the same way)
   # 5. a run with one parameter changed
 "$PY" -m prefect deployment run 'nightly-post-training/nightly' --param learning_rate=5e-5 "${small[@]}" \
   --watch --watch-timeout 400 >"$DIR/run.log" 2>&1 || fail "the nightly run: $(tail -30 "$DIR/run.log")"

@@ -4,7 +4,8 @@ whose UI is told that port, checks each (one-line mistakes, blocks, deploy, a ru
 changed, the chain commands) and stops what it started. (A deployment run cancelled once its trainer
 runs, which it also did: tests/pipeline/test_flows_concurrency.py.) With --all it also replays the
 page's Slurm path with the page's own values (read from its code blocks) on the test suite's Slurm
-cluster, on the same clone and server (one trial for both paths: each alone took 2.5 min here)."""
+cluster, on the same clone and server (one trial for both paths: each alone took 2.5 min here), where
+the Slurm path's run (``--param cluster=...``) is its one nightly run."""
 
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ import pytest
 # slurm: the Slurm path's group (tests/conftest.py), whose Slurm fixture is asked for only where it runs
 pytestmark = [pytest.mark.services, pytest.mark.slow, pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[2]
-LOCAL_STEPS = ["ok: server on port", "its UI told that port", "ok: deployed\n",
-               "ok: nightly run with --param learning_rate=5e-5 completed and its last checkpoint is served",
-               "ok: chain inspect and verify",
-               "[site-trial] PASSED"]
+STEPS = ["ok: server on port", "its UI told that port", "ok: deployed\n", "ok: chain inspect and verify",
+         "[site-trial] PASSED"]
+LOCAL_RUN = "ok: nightly run with --param learning_rate=5e-5 completed and its last checkpoint is served"
 SLURM_STEPS = ["deployed with the suggested command: prefect --no-prompt deploy --name nightly --name grpo "
                "--name promote --name rollback",
                "fails before staging, naming base_model and shared_dir",
@@ -61,7 +61,7 @@ def test_the_site_setup_steps_run_as_written_from_a_fresh_clone(tmp_path, reques
     run = subprocess.run(["bash", str(REPO / "scripts" / "site-trial.sh"), *args], env=env, capture_output=True,
                          text=True, timeout=1140)
     assert run.returncode == 0, f"{run.stdout[-4000:]}\n--- stderr\n{run.stderr[-4000:]}"
-    for step in LOCAL_STEPS + ([] if no_slurm else SLURM_STEPS):
+    for step in STEPS + ([LOCAL_RUN] if no_slurm else SLURM_STEPS):
         assert step in run.stdout, step
     assert not os.path.lexists("/shared") or no_slurm  # the trial's link is gone
     print(run.stdout)
