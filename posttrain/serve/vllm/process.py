@@ -97,7 +97,16 @@ class VLLMProcessConfig(BaseModel):
         None, description="Where vLLM's output goes, appended (default: a file named after the port in /tmp)."
     )
     start_timeout_s: float = Field(300.0, gt=0, description="Seconds for /health and the first token.")
+    start_stall_s: float | None = Field(
+        150.0, gt=0, description="A start whose log stays silent this long before /health answers is stopped "
+        "and started again, once (vLLM's CPU build was seen to hang its worker process before it loaded "
+        "anything, for good); None waits for start_timeout_s. Eager mode (always on here) logs as it loads."
+    )
     stop_grace_s: float = Field(20.0, ge=0, description="Seconds between SIGTERM and SIGKILL on stop.")
+
+
+class _StartStalled(Exception):
+    """vLLM's log stayed silent for ``start_stall_s`` before it was ready."""
 
 
 class EngineStartError(Exception):
@@ -187,7 +196,22 @@ class VLLMProcess:
         if self.config.max_lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
+        for attempt in (1, 2):
+            t0 = time.monotonic()
+            proc = self._launch(model_dir, env)
+            try:
+                self._wait_ready(proc, t0 + self.config.start_timeout_s, stall=attempt == 1)
+            except _StartStalled as stalled:
+                self.stop()
+                log.warning("vLLM at %s: %s; starting it again", self.url, stalled)
+                continue
+            except BaseException:
+                self.stop()
+                raise
+            log.info("vLLM ready at %s in %.1f s", self.url, time.monotonic() - t0)
+            return
+
+    def _launch(self, model_dir: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         with self._lock, open(self.log_file, "ab") as out:
             if self._closed:
                 raise EngineStartError(f"vLLM at {self.url} was closed; it is not started again")
@@ -200,12 +224,7 @@ class VLLMProcess:
             )  # fmt: skip
         self.model_dir = model_dir
         log.info("vLLM starting at %s on %s (pid %d, log %s)", self.url, model_dir, proc.pid, self.log_file)
-        try:
-            self._wait_ready(proc, t0 + self.config.start_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        log.info("vLLM ready at %s in %.1f s", self.url, time.monotonic() - t0)
+        return proc
 
     def _extension_dir(self) -> Path:
         """A folder holding only the readback extension, as ``posttrain_readback``: what vLLM's PYTHONPATH
@@ -215,8 +234,10 @@ class VLLMProcess:
         shutil.copyfile(Path(__file__).parents[1] / "readback_extension.py", folder / f"{READBACK_MODULE}.py")
         return folder
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float, *, stall: bool = False) -> None:
         client = VLLMClient(self.url)
+        stall_s = self.config.start_stall_s if stall else None
+        size, grew = -1, time.monotonic()
         try:
             while not client.health(timeout=2.0):
                 if proc.poll() is not None:
@@ -227,6 +248,12 @@ class VLLMProcess:
                     raise EngineStartError(
                         f"vLLM not ready after {self.config.start_timeout_s:.0f} s", self.log_tail()
                     )
+                if stall_s is not None:
+                    now_size = self.log_file.stat().st_size if self.log_file.exists() else 0
+                    if now_size != size:
+                        size, grew = now_size, time.monotonic()
+                    elif time.monotonic() - grew >= stall_s:
+                        raise _StartStalled(f"its log ({self.log_file}) was silent for {stall_s:.0f} s while starting")
                 time.sleep(0.5)
             client.timeout = max(1.0, deadline - time.monotonic())
             body = {"model": self.config.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0}

@@ -52,10 +52,17 @@ def test_client_on_a_closed_port() -> None:
 FAKE_VLLM = """#!{python}
 # Stands in for vLLM's Python: serves /health and /v1/completions on --port, and takes a second to
 # exit on SIGTERM (as vLLM takes its time), so a close() can come while a restart is stopping it.
-import json, signal, sys, time
+# Its first $FAKE_VLLM_HANGS starts (counted in the model folder) print a line and hang.
+import json, os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT = int(sys.argv[sys.argv.index("--port") + 1])
+STARTS = os.path.join(sys.argv[sys.argv.index("--model") + 1], "starts")
+START = (int(open(STARTS).read()) if os.path.exists(STARTS) else 0) + 1
+open(STARTS, "w").write(str(START))
+print(f"fake vLLM start {{START}}", flush=True)
+if START <= int(os.environ.get("FAKE_VLLM_HANGS", "0")):
+    time.sleep(3600)  # the worker that hangs before it logs anything more
 signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))
 
 
@@ -119,3 +126,39 @@ def test_a_close_while_a_restart_stops_the_engine_leaves_nothing_running(tmp_pat
     assert len(raised) == 1 and isinstance(raised[0], EngineStartError) and "closed" in str(raised[0])
     with pytest.raises(EngineStartError, match="was closed"):
         proc.start(tmp_path / "model")
+
+
+def _fake_vllm(tmp_path: Path, monkeypatch, hangs: int, **config) -> VLLMProcess:
+    import sys
+
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setenv("FAKE_VLLM_HANGS", str(hangs))
+    return VLLMProcess(
+        VLLMProcessConfig(
+            python=fake, served_model_name="tiny", log_file=tmp_path / "vllm.log", stop_grace_s=2, **config
+        )
+    )
+
+
+def test_a_start_whose_log_stays_silent_is_started_again_once(tmp_path: Path, monkeypatch, caplog) -> None:
+    proc = _fake_vllm(tmp_path, monkeypatch, hangs=1, start_stall_s=3, start_timeout_s=60)
+    with proc:
+        proc.start(tmp_path / "model")
+        assert proc.alive()
+    assert (tmp_path / "model" / "starts").read_text() == "2"
+    log_text = (tmp_path / "vllm.log").read_text()
+    assert log_text.count("=== posttrain: starting vLLM") == 2 and "fake vLLM start 2" in log_text
+    assert any("was silent for 3 s while starting; starting it again" in r.getMessage() for r in caplog.records)
+    assert proc.pids() == []
+
+
+def test_a_second_silent_start_is_waited_for_until_the_timeout(tmp_path: Path, monkeypatch) -> None:
+    proc = _fake_vllm(tmp_path, monkeypatch, hangs=2, start_stall_s=2, start_timeout_s=8)
+    with pytest.raises(EngineStartError, match="not ready after 8 s"):
+        proc.start(tmp_path / "model")
+    assert (tmp_path / "model" / "starts").read_text() == "2"  # one more start, not a third
+    assert proc.pids() == []
