@@ -1,0 +1,137 @@
+"""The soak driver's parts that need no services: the seeded schedule (replayable, every kind at
+least once, durations within the issue's bounds), ``--dry-run`` and ``--help``, the store's switchable
+proxy, and the recorder's files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from posttrain.testing.soak import FILES, KINDS, OUTAGE_MODES, ROLES
+from posttrain.testing.soak.proxy import StoreFront
+from posttrain.testing.soak.record import Recorder
+from posttrain.testing.soak.schedule import DURATIONS, plan, plan_faults, plan_operator
+
+REPO = Path(__file__).resolve().parents[2]
+SOAK = REPO / "bench" / "soak.py"
+
+
+@pytest.mark.parametrize("minutes", [1, 3, 10, 60])
+def test_the_schedule_is_a_function_of_the_seed_and_has_every_kind(minutes):
+    a, b, other = plan_faults(7, minutes), plan_faults(7, minutes), plan_faults(8, minutes)
+    assert a == b and a != other
+    assert set(KINDS) <= {f.kind for f in a}
+    times = [f.at_s for f in a]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < minutes * 60
+    for f in a:
+        low, high = DURATIONS[f.kind]
+        assert low <= f.duration_s <= high
+        assert f.target in {"store_outage": OUTAGE_MODES, "serve_kill": ROLES, "trainer_kill": ("nightly", "grpo"),
+                            }.get(f.kind, (f.target,))
+
+
+def test_an_hour_has_fifty_faults_and_full_length_outages():
+    faults = plan_faults(1, 60)
+    assert len(faults) >= 50
+    outages = [f.duration_s for f in faults if f.kind == "store_outage"]
+    assert outages and all(10 <= d <= 120 for d in outages)
+    assert plan_faults(1, 3)[-1].at_s < 3 * 60 * 0.8  # the end of a short soak is left for the drain
+
+
+def test_the_operator_rolls_back_and_promotes_at_seeded_times():
+    actions = plan_operator(3, 3)
+    assert actions == plan_operator(3, 3)
+    assert {a.action for a in actions} == {"rollback", "promote"}
+    assert [a.at_s for a in actions] == sorted(a.at_s for a in actions)
+    assert plan(3, 3, 90).nights == 2 and plan(3, 60, 90).nights == 40
+
+
+def test_dry_run_prints_the_schedule_and_starts_nothing():
+    run = subprocess.run([sys.executable, str(SOAK), "--minutes", "3", "--seed", "1", "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [(x["at_s"], x["kind"], x["target"], x["duration_s"]) for x in lines] == [
+        (f.at_s, f.kind, f.target, f.duration_s) for f in plan_faults(1, 3)]
+    assert "soak seed 1: 3 min" in run.stdout
+    again = subprocess.run([sys.executable, str(SOAK), "--minutes", "3", "--seed", "1", "--dry-run"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.stdout == run.stdout
+
+
+def test_help_explains_every_knob():
+    run = subprocess.run([sys.executable, str(SOAK), "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    for knob in ("--minutes", "--seed", "--backend", "--out", "--night-s", "--drain-s", "--spool-mib", "--dry-run"):
+        assert knob in run.stdout
+    bad = subprocess.run([sys.executable, str(SOAK), "--minutes", "0", "--seed", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def upstream():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _get(url: str) -> int | str:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError as e:
+        return type(e.reason if isinstance(e, urllib.error.URLError) else e).__name__
+
+
+def test_the_store_front_refuses_throttles_and_comes_back_on_its_port(upstream):
+    front = StoreFront(upstream)
+    try:
+        url = f"{front.url}/bucket/key"
+        assert _get(url) == 200
+        front.begin("503")
+        assert _get(url) == 503
+        front.end("503")
+        assert _get(url) == 200
+        port = front.port
+        front.begin("refused")
+        assert _get(url) == "ConnectionRefusedError"
+        front.end("refused")
+        assert front.port == port and _get(url) == 200
+        assert front.counters()["503"] == 1
+    finally:
+        front.stop()
+
+
+def test_the_recorder_writes_each_line_as_it_happens(tmp_path):
+    rec = Recorder(tmp_path)
+    rec.write("faults", {"kind": "serve_kill"})
+    assert json.loads((tmp_path / "faults.jsonl").read_text()) == {"kind": "serve_kill"}  # before close
+    rec.write_json("soak.json", {"seed": 1})
+    rec.close()
+    assert {p.name for p in tmp_path.iterdir()} >= set(FILES)
