@@ -46,8 +46,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "runs at its end (default 90)")
     p.add_argument("--drain-s", type=float, default=900.0,
                    help="after --minutes: how long to wait for every started run to end (default 900)")
-    p.add_argument("--spool-mib", type=int, default=2048,
-                   help="size of the tmpfs holding the runs' folders, which spool_full fills (default 2048)")
+    p.add_argument("--spool-mib", type=int, default=256,
+                   help="size of the tmpfs holding the runs' folders, which spool_full fills (default 256)")
     p.add_argument("--client-interval-s", type=float, default=0.5,
                    help="seconds between the client's completions requests to production (default 0.5)")
     p.add_argument("--dry-run", action="store_true", help="print the schedule (faults, operator, nights) and exit")

@@ -5,9 +5,11 @@ proxy, and the recorder's files."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.testing.soak import FILES, KINDS, OUTAGE_MODES, ROLES
+from posttrain.testing.soak.processes import Supervised, alive
 from posttrain.testing.soak.proxy import StoreFront
 from posttrain.testing.soak.record import Recorder
 from posttrain.testing.soak.schedule import DURATIONS, plan, plan_faults, plan_operator
@@ -135,3 +138,21 @@ def test_the_recorder_writes_each_line_as_it_happens(tmp_path):
     rec.write_json("soak.json", {"seed": 1})
     rec.close()
     assert {p.name for p in tmp_path.iterdir()} >= set(FILES)
+
+
+def test_a_killed_process_is_started_again_by_its_supervisor(tmp_path):
+    events: list[str] = []
+    proc = Supervised("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "sleeper.log",
+                      env=dict(os.environ), cwd=tmp_path, on_event=events.append)
+    proc.start()
+    try:
+        first = proc.proc.pid
+        assert proc.kill(0.2) == [first]
+        deadline = time.monotonic() + 60
+        while proc.starts < 2:
+            assert time.monotonic() < deadline, events
+            time.sleep(0.1)
+        assert proc.proc.pid != first and alive(proc.proc.pid)
+    finally:
+        proc.stop()
+    assert not alive(proc.proc.pid) and any("exited rc -9" in e for e in events), events

@@ -89,7 +89,7 @@ class System:
     root: Path  # the soak's work folder
     rec: Recorder
     backend: str = "local"
-    spool_mib: int = 2048
+    spool_mib: int = 256
     token: str = field(default_factory=lambda: os.urandom(12).hex())
     gateways: dict[str, Gateway] = field(default_factory=dict)
     spool: dict = field(default_factory=dict)
