@@ -1,0 +1,111 @@
+"""Check 5, ``runs``: every run the soak started ended, Completed or ended by a fault it could not survive.
+
+The state of each flow run of ``runs.jsonl`` is read from the Prefect API (``GET
+/flow_runs/<id>``, plain HTTP). A run still Scheduled, Pending, Running, Paused or Cancelling after
+the soak is a violation (nothing was left for a person to finish). A run that ended Failed,
+Crashed or Cancelled passes only when an injected fault overlapped its life (from its start to
+its end, ``GRACE_S`` either side) and the state's message names that fault's kind in its own
+words (``FATAL``). The kinds that may end a run, and why:
+
+- ``worker_kill``: its flow-run process dies with the worker; Prefect marks it Crashed and the
+  retry automation retries it a bounded number of times (``--crash-retries``, 3 by default): a
+  run killed more often than that stays Crashed (its message: the process exited, or a lost
+  heartbeat). Also ``trainer_kill`` when the flow's own process was the one killed.
+- ``trainer_kill``: a training job killed with SIGKILL ends failed; a resident or nightly job is
+  submitted again once, but a kill that takes the resubmitted job too fails the run (its message
+  names the job's end: exit status, signal).
+- ``store_outage``: the store's retries (``outage_retry``) cover an outage up to their budget; a
+  longer one (the schedule goes to 120 s) fails a publish, a hot-load's fetch or the ledger
+  (its message names the store, the endpoint or the connection).
+- ``spool_full``: a full spool fails the publish step (ENOSPC, "No space left on device").
+- ``serve_kill``: a hot-load into a deployment whose server is down fails once its retries are
+  spent (its message names the hot-load or the deployment).
+- ``prefect_restart`` and ``postgres_restart``: the flow run cannot report its state while the API
+  or its database is down; the run may end Crashed (its message names the API, the server or the
+  database, or a lost heartbeat).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from posttrain.testing.soak.check_context import Context
+from posttrain.testing.soak.check_model import CheckResult, parse_time
+
+GRACE_S = 30.0
+TERMINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
+CRASH_WORDS = ("crash", "exited", "infrastructure", "heartbeat", "killed", "sigkill", "signal 9", "-9")
+FATAL: dict[str, tuple[str, ...]] = {
+    "worker_kill": CRASH_WORDS,
+    "trainer_kill": CRASH_WORDS + ("job", "trainer", "exit status", "exit code", "returncode", "137", "requeue"),
+    "store_outage": ("store", "s3", "outage", "503", "endpoint", "connection", "unreachable", "timed out",
+                     "timeout", "refused", "slow down", "could not connect"),
+    "spool_full": ("no space left", "enospc", "disk full", "spool", "errno 28"),
+    "serve_kill": ("hot-load", "hotload", "hot load", "deployment", "connection refused", "unavailable", "serve"),
+    "prefect_restart": CRASH_WORDS + ("prefect", "api", "server", "connection", "503", "500", "timed out"),
+    "postgres_restart": CRASH_WORDS + ("database", "postgres", "sqlalchemy", "connection", "500", "503"),
+}
+
+
+def flow_run(api: str, flow_run_id: str, timeout: float = 15.0) -> dict:
+    with urllib.request.urlopen(f"{api.rstrip('/')}/flow_runs/{flow_run_id}", timeout=timeout) as r:  # noqa: S310
+        return json.loads(r.read())
+
+
+def check_runs(ctx: Context) -> CheckResult:
+    res = CheckResult("runs")
+    runs = ctx.soak.records["runs"]
+    res.items = len(runs)
+    if not ctx.live:
+        unfinished = set(ctx.soak.meta.get("unfinished_runs") or [])
+        for r in runs:
+            if r.get("flow_run_id") in unfinished:
+                res.bad(f"run {r.get('flow_run_id')} did not end (soak.json unfinished_runs)")
+            else:
+                res.skipped.append(f"run {r.get('flow_run_id')}: its end state (not live)")
+        return res
+    api = ctx.soak.meta.get("prefect_api_url") or ""
+    faults = [f for f in ctx.soak.records["faults"] if f.get("injected", True) is not False]
+    for run in runs:
+        rid = run.get("flow_run_id")
+        what = f"{run.get('kind')} run {rid} ({run.get('deployment')}, night {run.get('night')})"
+        try:
+            fr = flow_run(api, str(rid))
+        except (OSError, ValueError) as e:
+            res.bad(f"{what}: its state cannot be read from {api} ({e})")
+            continue
+        state = fr.get("state") or {}
+        kind = (state.get("type") or fr.get("state_type") or "?").upper()
+        message = state.get("message") or ""
+        if kind == "COMPLETED":
+            continue
+        if kind not in TERMINAL_BAD:
+            res.bad(f"{what} did not end: {state.get('name') or kind} after the soak")
+            continue
+        start = parse_time(fr.get("start_time")) or parse_time(run.get("started_at"))
+        end = parse_time(fr.get("end_time")) or parse_time(state.get("timestamp"))
+        excuse = fatal_fault(faults, start, end, message)
+        if excuse is None:
+            res.bad(f"{what} ended {state.get('name') or kind} with no injected fault that its message names: "
+                    f"{message[:300]!r}")
+        else:
+            res.notes.append(f"{what} ended {state.get('name') or kind}, killed by {excuse}: {message[:200]!r}")
+    return res
+
+
+def fatal_fault(faults: list[dict], start: float | None, end: float | None, message: str) -> str | None:
+    """The first injected fault that overlapped [start, end] and whose kind the message names."""
+    text = message.lower()
+    for f in faults:
+        words = FATAL.get(f.get("kind") or "")
+        if not words or not any(w in text for w in words):
+            continue
+        f_start, f_end = parse_time(f.get("started_at")), parse_time(f.get("ended_at"))
+        if f_start is None:
+            continue
+        f_end = f_end if f_end is not None else f_start
+        if (end is None or f_start <= end + GRACE_S) and (start is None or f_end >= start - GRACE_S):
+            return f"{f.get('kind')} of {f.get('target')} at {f.get('started_at')}"
+    return None
