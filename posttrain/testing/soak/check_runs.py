@@ -1,6 +1,7 @@
 """Check 5, ``runs``: every run the soak started ended, Completed or ended by a fault it could not survive.
 
-The state of each flow run of ``runs.jsonl`` is read from the Prefect API (``GET
+The state of each flow run of ``runs.jsonl`` (and of the operator's promote runs, in
+``operator.jsonl``) is read from the Prefect API (``GET
 /flow_runs/<id>``, plain HTTP). A run still Scheduled, Pending, Running, Paused or Cancelling after
 the soak is a violation (nothing was left for a person to finish). A run that ended Failed,
 Crashed or Cancelled passes only when an injected fault overlapped its life (from its start to
@@ -56,7 +57,10 @@ def flow_run(api: str, flow_run_id: str, timeout: float = 15.0) -> dict:
 
 def check_runs(ctx: Context) -> CheckResult:
     res = CheckResult("runs")
-    runs = ctx.soak.records["runs"]
+    runs = ctx.soak.records["runs"] + [  # the operator's promotions are flow runs the soak started too
+        {"flow_run_id": a["flow_run_id"], "kind": "promote", "deployment": "operator", "night": "-",
+         "started_at": a.get("at")} for a in ctx.soak.records["operator"]
+        if a.get("action") == "promote" and a.get("flow_run_id")]
     res.items = len(runs)
     if not ctx.live:
         unfinished = set(ctx.soak.meta.get("unfinished_runs") or [])
