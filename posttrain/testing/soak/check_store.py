@@ -66,6 +66,8 @@ class StoreReader:
         self.sizes: dict[str, int] = {}
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self.prefix):
             for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/"):
+                    continue  # a folder marker some S3 servers list: not an object of the layout
                 self.sizes[obj["Key"][len(self.prefix):]] = int(obj["Size"])
         uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=self.prefix).get("Uploads", [])
         self.open_uploads = [u["Key"][len(self.prefix):] for u in uploads]
