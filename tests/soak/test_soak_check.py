@@ -367,3 +367,31 @@ def test_offline_skips_what_needs_the_running_system(built: Built) -> None:
     assert not [v for r in results for v in r.violations], table(results)
     skipped = {r.name: len(r.skipped) for r in results}
     assert skipped["runs"] == 2 and skipped["leftovers"] == 1
+
+
+def test_history_replay_follows_reverted_records_and_names_double_decisions() -> None:
+    from posttrain.testing.soak.check_replay import replay
+
+    a, b, c = (f"step-0000000{i}-{'abc'[i - 1] * 32}" for i in range(1, 4))
+
+    def rec(seq: int, kind: str, ident: str, prev: str | None, run: str | None = "nightly-1", **kw) -> dict:
+        accepted = {"promotion": True, "refusal": False}.get(kind)
+        return {"format": "posttrain.promotion/1", "seq": seq, "kind": kind, "deployment": "prod", "identity": ident,
+                "previous": prev, "run": run, "at": iso(seq), "reason": kw.pop("reason", "r"),
+                "decision": None if accepted is None else {"accepted": accepted, "candidate": ident, "champion": prev},
+                "reverts": kw.pop("reverts", None)}
+
+    good = [rec(1, "promotion", a, None, "nightly-1"), rec(2, "promotion", b, a, "nightly-2"),
+            rec(3, "reverted", b, b, "nightly-2", reverts=2), rec(4, "refusal", c, a, "nightly-3"),
+            rec(5, "promotion", c, a, "promote-1"),
+            rec(6, "rollback", a, c, None, reason=f"rolled back from {c} to the previous champion")]
+    rep = replay("prod", {r["seq"]: r for r in good})
+    assert rep.problems == [] and rep.champion == a and rep.stack == [a]
+    assert set(rep.kept) == {a, b, c} and rep.switched_to == {a, b, c}
+    bad = [*good[:5], rec(6, "rollback", b, c, None, reason=f"rolled back from {c} to the previous champion"),
+           rec(7, "promotion", b, b, "promote-1"), rec(8, "reverted", b, b, "x", reverts=1)]
+    problems = replay("prod", {r["seq"]: r for r in bad}).problems
+    assert any("record 6" in p and "entry under the top is " + a in p for p in problems), problems
+    assert any("record 7" in p and "already the champion" in p for p in problems), problems
+    assert any("record 8" in p and "records [2, 5, 6, 7] switched production in between" in p for p in problems)
+    assert any("run promote-1 recorded 2 decisions" in p for p in problems), problems
