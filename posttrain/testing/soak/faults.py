@@ -104,8 +104,15 @@ class Injector:
         time.sleep(down_s)
         started = service_script(start)
         detail = f"{stop} rc {stopped.returncode}, down {down_s} s, {start} rc {started.returncode}"
-        if started.returncode != 0:
+        for _ in range(3):  # as a supervisor would: what it needs first, then the service again
+            if started.returncode == 0:
+                break
             detail += f": {(started.stderr or started.stdout).strip()[-300:]}"
+            time.sleep(5)
+            if start == "start-prefect.sh":
+                service_script("start-postgres.sh")
+            started = service_script(start)
+            detail += f"; {start} again: rc {started.returncode}"
         return stopped.returncode == 0, f"{what}: {detail}"
 
     def prefect_restart(self, fault: PlannedFault) -> tuple[bool, str]:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import time
 import traceback
@@ -18,6 +19,7 @@ from posttrain.testing.soak.record import Recorder, now
 from posttrain.testing.soak.schedule import Plan
 from posttrain.testing.soak.system import MODEL_NAME, PREFIX, REGION, System, prefect_healthy, service_script
 
+LOCK = Path("/tmp/posttrain-soak.lock")  # one soak at a time on a machine: each restarts the shared services
 QUIESCE_S = 15.0  # after the drain: the client keeps asking while hot-loads and probes settle
 
 
@@ -48,6 +50,20 @@ class Soak:
         self.rec.write_json("soak.json", {k: v for k, v in self.meta.items() if k != "final"})
 
     def run(self) -> int:
+        with open(LOCK, "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                self.rec.log(f"another soak runs ({lock.read().strip() or '?'}, {LOCK}): waiting for it to end")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()}, folder {self.out}\n")
+            lock.flush()
+            return self._run()
+
+    def _run(self) -> int:
         t_start = time.monotonic()
         for fault in self.plan.faults:
             self.rec.write("schedule", {"at_s": fault.at_s, "kind": fault.kind, "target": fault.target,

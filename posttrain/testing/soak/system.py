@@ -91,6 +91,9 @@ class System:
     backend: str = "local"
     spool_mib: int = 256
     token: str = field(default_factory=lambda: os.urandom(12).hex())
+    # one soak's names (pool, deployments, blocks, gateways, bucket): soak-<seed>-<its start, UTC>, so that
+    # a soak never picks up another's runs or blocks
+    stamp: str = field(default_factory=lambda: time.strftime("%m%d%H%M%S", time.gmtime()))
     gateways: dict[str, Gateway] = field(default_factory=dict)
     spool: dict = field(default_factory=dict)
     store: StoreFront | None = None
@@ -99,7 +102,7 @@ class System:
 
     @property
     def name(self) -> str:
-        return f"soak-{self.seed}"
+        return f"soak-{self.seed}-{self.stamp}"
 
     @property
     def shared(self) -> Path:
@@ -129,6 +132,12 @@ class System:
 
     # ----- start -----
     def start(self) -> None:
+        # the restart faults run the services' own scripts, which need the environment they were started with
+        missing = [v for v in ("PREFECT_API_URL", "PREFECT_PORT", "POSTTRAIN_PREFECT_DIR", "POSTTRAIN_PREFECT_DB",
+                               "POSTTRAIN_S3_ENDPOINT") if not os.environ.get(v)]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} unset: export the services' environment first "
+                               "(set -a; . /tmp/posttrain-services.env; set +a, or run under scripts/test.sh)")
         if not prefect_healthy():
             raise RuntimeError(f"the Prefect server at PREFECT_API_URL={os.environ.get('PREFECT_API_URL')!r} does "
                                "not answer: start the services first (scripts/services/start-prefect.sh)")
@@ -174,7 +183,7 @@ class System:
     def _bucket(self) -> None:
         import boto3
 
-        self.bucket = f"{self.name}-{time.strftime('%Y%m%d%H%M%S', time.gmtime())}"
+        self.bucket = self.name
         client = boto3.client("s3", endpoint_url=os.environ["POSTTRAIN_S3_ENDPOINT"], region_name=REGION)
         client.create_bucket(Bucket=self.bucket)
 
