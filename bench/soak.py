@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(TOKEN_ENV, None)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
+    # SIGTERM (a test's timeout, a person's kill) and SIGINT, even where a shell left it ignored: the
+    # soak stops what it started before it exits
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupted)
     return Soak(args, the_plan, out).run()
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -193,9 +193,10 @@ class Operator:
         except OSError as e:
             self.rec.log(f"operator promote: staging's /health: {e}")
         if identity is None:
+            why = "nothing to promote: staging serves its boot weights (or did not answer)"
             self.rec.write("operator", {"at": now(), "action": "promote", "argv": [], "rc": -1, "flow_run_id": None,
-                                        "output_tail": "nothing to promote: staging serves its boot weights "
-                                                       "(or did not answer)"})
+                                        "output_tail": why})
+            self.rec.log(f"operator promote: {why}")
             return
         params = {"candidate": identity, "eval_dataset": str(self.system.eval_dataset),
                   "eval_reward_funcs": REWARDS, **GATE}

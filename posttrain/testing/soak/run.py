@@ -72,10 +72,10 @@ class Soak:
         self._write_meta()
         try:
             self.system.start()
-        except Exception:  # noqa: BLE001 - whatever failed, stop what started, and say why
+        except BaseException as e:  # noqa: BLE001 - whatever failed, stop what started, and say why
             self.rec.log(f"setup failed:\n{traceback.format_exc()}")
             self._teardown()
-            return 1
+            return 130 if isinstance(e, KeyboardInterrupt) else 1
         self._write_meta()
         self.rec.log(f"set up in {time.monotonic() - t_start:.0f} s; the soak begins")
         t0 = time.monotonic()
@@ -99,6 +99,11 @@ class Soak:
             self.rec.log(f"drained: {len(runs) - len(left)} of {len(runs)} runs ended" +
                          (f"; still not ended: {left}" if left else ""))
             time.sleep(QUIESCE_S)
+        except KeyboardInterrupt as e:  # a signal (bench/soak.py): stop here, but stop what was started
+            self.meta["interrupted"] = str(e)
+            self.rec.log(f"interrupted ({e}): stopping what the soak started")
+            for part in (nights, operator, injector):
+                part.stopping.set()
         finally:
             client.stop()
             self.meta["final"] = self.system.final_gateway_state() if self.system.gateways else {}
@@ -112,7 +117,7 @@ class Soak:
         self._write_meta()
         self.rec.log(f"soak done: {self.meta['summary']}; folder {self.out}")
         self.rec.close()
-        return 0
+        return 130 if self.meta.get("interrupted") else 0
 
     def _services_back(self) -> None:
         """The suite's services as they were: a fault may have left one stopped (the restart scripts
