@@ -3,6 +3,7 @@ them and the promotion histories, each read once."""
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 
 from posttrain.testing.soak.check_model import Soak
@@ -20,7 +21,12 @@ class Context:
     @cached_property
     def store(self) -> StoreReader:
         st = self.soak.store
-        client = self._client or s3_client(st, self.soak.meta.get("credentials_env") or {})
+        names = self.soak.meta.get("credentials_env") or {}
+        unset = [names.get(k) or f"({k}: unnamed)" for k in ("access_key", "secret_key") if not os.environ.get(names.get(k) or "")]
+        if self._client is None and unset:
+            raise RuntimeError(f"the store's credentials: environment variable(s) {', '.join(unset)} (soak.json "
+                               "credentials_env) not set; export them as the soak had them")
+        client = self._client or s3_client(st, names)
         return StoreReader(client, st.get("bucket", ""), st.get("prefix") or "")
 
     @cached_property

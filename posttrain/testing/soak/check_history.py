@@ -95,7 +95,8 @@ def served_observations(ctx: Context, role: str, entry: dict) -> tuple[dict[str,
     if isinstance(final, dict) and "snapshotIdentity" in final:
         seen["/health at quiesce"] = final.get("snapshotIdentity")
     elif not seen:
-        problems.append(f"{role}: no reading of its /health after the soak (live: unreachable; at quiesce: {final!r})")
+        live = "unreachable" if ctx.live else "not asked (offline)"
+        problems.append(f"{role}: no reading of its /health after the soak (live: {live}; at quiesce: {final!r})")
     work = entry.get("work_dir")
     if work:
         try:
