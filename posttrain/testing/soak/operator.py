@@ -21,7 +21,11 @@ from posttrain.testing.soak.system import REPO, REWARDS, System
 MAX_STALENESS = 1
 GC_KEEP_RUNS = 2
 API_RETRY_S = 180.0  # how long a call to the Prefect API is retried (the server may be restarting)
-CRASHED_SETTLE_S = 120.0  # a Crashed run is retried by the automation at once: final only if it stays Crashed
+# A Crashed run is retried by the automation at once (docs/recovery.md): it counts as ended only once it has
+# stayed Crashed this long (bench/soak.py --crashed-settle-s). Prefect holds a Crashed event whose preceding
+# state event it has not seen for up to 15 minutes (PRECEDING_EVENT_LOOKBACK, an in-memory record): after a
+# Prefect server restart the retry of a run that was Running before it comes that late.
+CRASHED_SETTLE_S = 120.0
 TRAINER = {"learning_rate": 1e-3, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
            "use_cpu": True, "watch_poll_s": 0.5}
 # greedy eval (a temperature under 1e-5 samples greedily); non-inferiority with the widest margin: the
@@ -104,7 +108,7 @@ class Nights:
 _crashed_since: dict[str, float] = {}
 
 
-def is_final(flow_run_id: str, rec: Recorder) -> bool:
+def is_final(flow_run_id: str, rec: Recorder, crashed_settle_s: float = CRASHED_SETTLE_S) -> bool:
     """Completed, Failed or Cancelled; Crashed only once it has stayed Crashed CRASHED_SETTLE_S (the retry
     automation reschedules a Crashed run within seconds)."""
     try:
@@ -114,17 +118,18 @@ def is_final(flow_run_id: str, rec: Recorder) -> bool:
         return False
     if state == "CRASHED":
         since = _crashed_since.setdefault(flow_run_id, time.monotonic())
-        return time.monotonic() - since > CRASHED_SETTLE_S
+        return time.monotonic() - since > crashed_settle_s
     _crashed_since.pop(flow_run_id, None)
     return state in ("COMPLETED", "FAILED", "CANCELLED")
 
 
-def wait_all_final(flow_run_ids: list[str], rec: Recorder, timeout_s: float) -> list[str]:
+def wait_all_final(flow_run_ids: list[str], rec: Recorder, timeout_s: float,
+                   crashed_settle_s: float = CRASHED_SETTLE_S) -> list[str]:
     """Until every run is final (``is_final``) or ``timeout_s``: the ids still not final."""
     deadline = time.monotonic() + timeout_s
     left = list(flow_run_ids)
     while left and time.monotonic() < deadline:
-        left = [r for r in left if not is_final(r, rec)]
+        left = [r for r in left if not is_final(r, rec, crashed_settle_s)]
         if left:
             time.sleep(5)
     return left

@@ -33,7 +33,8 @@ class Soak:
                            "ended_at": None, "prefect_api_url": os.environ.get("PREFECT_API_URL"),
                            "max_staleness": MAX_STALENESS, "work_pool": self.system.name,
                            "gateway_token_env": TOKEN_ENV, "served_model_name": MODEL_NAME,
-                           "nights": plan.nights, "night_s": plan.night_s, "unfinished_runs": []}
+                           "nights": plan.nights, "night_s": plan.night_s, "unfinished_runs": [],
+                           "crashed_settle_s": args.crashed_settle_s}
 
     def _write_meta(self) -> None:
         s = self.system
@@ -94,7 +95,7 @@ class Soak:
             injector.stop()
             self._services_back()
             runs = list(nights.started) + operator.promote_runs
-            left = wait_all_final(runs, self.rec, self.args.drain_s)
+            left = wait_all_final(runs, self.rec, self.args.drain_s, self.args.crashed_settle_s)
             self.meta["unfinished_runs"] = left
             self.rec.log(f"drained: {len(runs) - len(left)} of {len(runs)} runs ended" +
                          (f"; still not ended: {left}" if left else ""))
