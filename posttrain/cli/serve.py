@@ -62,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-interval", type=float, default=2.0, dest="probe_interval_s", metavar="SECONDS",
                    help="seconds between health probes; each reads back what every replica holds: digests of its "
                    "weights, its weight version, its answers to a fixed prompt (default 2)")
+    p.add_argument("--idle-probe-interval", type=float, default=60.0, dest="idle_probe_interval_s",
+                   metavar="SECONDS", help="engines behind the gateway (vllm, sglang): a replica that answered no "
+                   "request since its last readback is read back this often, and only asked /health in between "
+                   "(each readback is a request its worker serves; vLLM's then spins a second); 0: at every probe "
+                   "(default 60)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve /metrics (Prometheus) on this port of --host instead of the main one: without the "
                    "token when --host is loopback, else with it unless --metrics-no-auth (default: /metrics on the "
@@ -137,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             reload=args.reload, **_engine_fields(args),
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_request_tokens=args.max_request_tokens,
             max_batch_rows=args.max_batch_rows, probe_interval_s=args.probe_interval_s,
+            idle_probe_interval_s=args.idle_probe_interval_s or None,
             metrics_port=args.metrics_port, metrics_no_auth=args.metrics_no_auth,
             test_hooks=args.test_hooks, faults=faults,
         )

@@ -17,13 +17,16 @@ until it answers again AND holds the served version. One found on other weights 
 the served version (reloaded in place, or restarted when the gateway supervises it) and checked
 again; until then, and when that fails, it is ERROR with the reason. The probe runs every
 ``monitor_interval_s`` (``posttrain serve --probe-interval``), so a replica is restored or
-reported ERROR within one interval of answering again.
+reported ERROR within one interval of answering again. A replica that answered no request since its last
+reading is only asked /health until ``idle_interval_s`` (``--idle-probe-interval``) has passed: every
+reading is a request its engine's worker serves, and vLLM's worker spins a second after each one.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from posttrain import redact
@@ -115,6 +118,7 @@ class ReplicaChecks(ReplicaReadback):
                               "not take the new weights")
         self._read_back(r, folder, consumed)
         r.label, r.expected = label, self._fingerprint(r, model)
+        r.answered, r.read_at = 0, time.monotonic()  # just read back: the monitor's clock starts again
 
     # ------------------------------------------------------------------ the monitor
     def _suspect(self, r: Replica, why: str) -> None:
@@ -153,6 +157,10 @@ class ReplicaChecks(ReplicaReadback):
                     "; whoever runs it must restart it" if r.process is None else ""))
                 log.warning("%s: %s", r.name, r.error)
             return
+        idle = self.idle_interval_s
+        if r.error is None and not r.answered and idle is not None and time.monotonic() - r.read_at < idle:
+            return  # nothing answered since the last readback: the next one comes within idle_interval_s
+        r.answered, r.read_at = 0, time.monotonic()
         try:
             why = self._other_weights(r)
         except EngineCallError as e:

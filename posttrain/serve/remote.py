@@ -62,6 +62,7 @@ __all__ = ["RemoteEngine", "Replica"]
 class RemoteEngine(ReplicaChecks):
     def __init__(self, *, kind: str, model_dir: Path, model_name: str, replicas: list[Replica],
                  reload: str = "auto", restart_when_tied: bool = False, monitor_interval_s: float = 2.0,
+                 idle_interval_s: float | None = None,
                  max_request_tokens: int | None = None, max_lora_rank: int | None = None,
                  max_tokens_limit: int = NO_LIMIT, max_n: int = NO_LIMIT,
                  tolerance: float = DEFAULT_FINGERPRINT_TOLERANCE, engine_dtype: str | None = None):
@@ -97,13 +98,14 @@ class RemoteEngine(ReplicaChecks):
         self._wake = threading.Event()
         for r in replicas:  # what each holds at start: what later readings are compared with
             try:
-                r.label, r.expected = read_label(r), self._fingerprint(r)
+                r.label, r.expected, r.read_at = read_label(r), self._fingerprint(r), time.monotonic()
                 self._learn_layout(r, model_dir)
                 why = self._held_differs(r, model_dir, first=True)
                 if why is not None:  # a restarted gateway's replicas may hold its recorded version: resume decides
                     log.info("%s does not hold the boot weights %s (%s)", r.name, model_dir, why)
             except EngineCallError as e:
                 r.error = f"it did not answer a completion at start ({e})"
+        self.idle_interval_s = idle_interval_s  # read back an idle replica this often (None: every probe)
         self._monitor = threading.Thread(target=self._watch, args=(monitor_interval_s,), name=f"{kind}-monitor",
                                          daemon=True)
         self._monitor.start()
@@ -148,6 +150,7 @@ class RemoteEngine(ReplicaChecks):
                         raise RequestError(503, f"{replica.name}: {e}", kind="ServiceUnavailableError") from None
                     status = e.status if e.status and 400 <= e.status < 600 else 502
                     raise RequestError(status, f"{replica.name}: {e}") from None
+                replica.answered += 1  # read back at the next probe (holding: idle replicas less often)
                 label = reply.get("weight_version")
                 if replica.label is None or label is None or label == replica.label:
                     break

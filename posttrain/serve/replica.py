@@ -21,3 +21,5 @@ class Replica:
     readback: dict[str, int | None] | None = None  # parameters compared by digest (``readback``), and rows
     held_identity: str | None = None  # the last reload it reported verifying itself (None after a restart)
     held_checked: bool = False  # its digests were read back equal to a folder's at least once
+    answered: int = 0  # requests it answered since the monitor last read back what it holds
+    read_at: float = 0.0  # when (time.monotonic) the monitor last read back what it holds

@@ -72,6 +72,13 @@ class ServeConfig(BaseModel):
         "each reads back what the replica holds (digests of its weights, its weight version, its answers to a "
         "fixed prompt), so a replica on other weights is put back or reported ERROR within one interval."
     )
+    idle_probe_interval_s: float | None = Field(
+        60.0, ge=MIN_POLL_S, le=86400, description="Seconds between two readbacks of a replica of an engine behind "
+        "the gateway (vLLM, SGLang) that answered no request since its last one; it is still asked /health every "
+        "probe_interval_s. A readback sends the engine's worker a request, and vLLM's worker then spins a second "
+        "waiting for the next: read back every 2 s, an idle replica kept half a core busy. A replica that answered "
+        "requests is read back at the next probe. None: every probe_interval_s."
+    )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve /metrics (Prometheus) on this port of host (0: any free port) "
         "instead of the main one; there it needs no token when host is loopback or metrics_no_auth is set, "

@@ -174,5 +174,6 @@ def open_sglang_engine(config: ServeConfig) -> RemoteEngine:
         replicas.append(Replica(f"sglang-{i}", client))
     return RemoteEngine(kind="sglang", model_dir=config.model_dir, model_name=name, replicas=replicas,
                         reload=config.reload, restart_when_tied=False, monitor_interval_s=config.probe_interval_s,
+                        idle_interval_s=config.idle_probe_interval_s,
                         max_request_tokens=config.max_request_tokens, max_tokens_limit=config.max_tokens_limit,
                         max_n=config.max_n)

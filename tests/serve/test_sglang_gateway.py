@@ -336,3 +336,32 @@ def test_a_snapshot_with_nan_never_serves_on_sglang(read_back, make_client, llam
     with pytest.raises(HotLoadFailed, match=f"{NORM} holds NaN or infinity"):  # read back from SGLang
         loader.hot_load(poisoned.identity, **on)
     assert _served_identity(server) == llama["ids"][1]
+
+
+def test_an_idle_replica_is_only_asked_health_until_its_idle_interval_and_read_back_after_it_answers(
+        llama_fake, make_server, make_client, llama):
+    """A readback is a request the engine's worker serves (vLLM's spins a second after each): a replica that
+    answered nothing since its last one is only asked for health between readbacks idle_probe_interval_s
+    apart; one that answered a request is read back at the next probe."""
+    server = make_server(store=llama["store"], model_dir=llama["models"][0], engine="sglang",
+                         engine_urls=[llama_fake.url], probe_interval_s=0.1, idle_probe_interval_s=3600)
+    make_client(server).hot_load(llama["ids"][0])
+
+    def count(path: str) -> int:
+        return sum(r.path == path for r in llama_fake.requests)
+
+    def probes_pass(n: int) -> None:  # n more health probes (SGLang's: GET /get_model_info)
+        target, deadline = count("/get_model_info") + n, time.monotonic() + 120
+        while count("/get_model_info") < target and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert count("/get_model_info") >= target
+
+    before = count("/get_weights_by_name")
+    probes_pass(10)
+    assert count("/get_weights_by_name") == before  # idle: health only
+    _served_identity(server)
+    probes_pass(3)
+    after = count("/get_weights_by_name")
+    assert after > before  # it answered: read back at the next probe
+    probes_pass(10)
+    assert count("/get_weights_by_name") == after  # idle again

@@ -94,7 +94,9 @@ def start_server(chain: Chain, work_dir: Path, store: Path | None = None, **over
 
     fields = dict(model_dir=chain.models[0], port=0, deployment_id=DEPLOYMENT, store=str(store or chain.store),
                   prefix=PREFIX, token=SecretStr(TOKEN), work_dir=work_dir, test_hooks=True,
-                  served_model_name="tiny")
+                  served_model_name="tiny",
+                  # the fakes cost nothing idle: every probe reads back, as the monitor's tests expect
+                  idle_probe_interval_s=None)
     fields.update(overrides)
     return InferenceServer(ServeConfig(**fields)).start()
 

@@ -55,6 +55,7 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
     dtype = _compute_dtype(replicas)
     return RemoteEngine(kind="vllm", model_dir=config.model_dir, model_name=name, replicas=replicas,
                         reload=config.reload, restart_when_tied=True, monitor_interval_s=config.probe_interval_s,
+                        idle_interval_s=config.idle_probe_interval_s,
                         max_request_tokens=config.max_request_tokens, max_tokens_limit=config.max_tokens_limit,
                         max_n=config.max_n, max_lora_rank=config.vllm.max_lora_rank,
                         tolerance=FINGERPRINT_TOLERANCE.get(dtype, DEFAULT_FINGERPRINT_TOLERANCE), engine_dtype=dtype)

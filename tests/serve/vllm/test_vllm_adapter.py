@@ -83,7 +83,7 @@ def gateway(published, tmp_path_factory):
     config = ServeConfig(model_dir=published["base"], served_model_name="tiny", port=0, deployment_id=DEPLOYMENT,
                          store=str(published["store"]), token=SecretStr(TOKEN), work_dir=work, engine="vllm",
                          vllm=VLLMProcessConfig(max_lora_rank=16, log_file=work.parent / "vllm.log"),
-                         probe_interval_s=1.0)  # the monitor checks what each replica holds every second
+                         probe_interval_s=1.0, idle_probe_interval_s=None)  # each replica read back every second
     server = InferenceServer(config).start()
     yield server
     server.shutdown()

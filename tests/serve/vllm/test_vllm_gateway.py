@@ -14,33 +14,25 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
 from safetensors.torch import load_file, save_file
 
-from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter
 from posttrain.inference.contract import HotLoadFailed
-from posttrain.serve.serve_config import ServeConfig
-from posttrain.serve.server import InferenceServer
-from posttrain.serve.vllm.process import VLLMProcess, VLLMProcessConfig
-from tests.support.serving import DEPLOYMENT, FORBIDDEN, PREFIX, TOKEN, Api
+from tests.support.serving import FORBIDDEN, PREFIX, TOKEN, Api
 from tests.support.vllm import (
-    MAX_TOKENS,
     KeepsOneTensor,
-    PROMPTS,
     assert_matches,
     perturbed,
     require_vllm,
     served_greedy,
     transformers_greedy,
-    vllm_model,
     with_probe,
 )
+from tests.support.vllm_gateway import assert_stamped_right, gateway_loader, untied_chain, vllm_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 require_vllm()
@@ -61,54 +53,14 @@ def _without(src: Path, dst: Path, drop: str | None = None, reshape: str | None 
     return dst
 
 
-def _chain(root: Path, tied: bool) -> dict:
-    m0 = vllm_model(root / "m0", tied=tied)
-    m1 = perturbed(m0, root / "m1", 1)
-    m2 = perturbed(m1, root / "m2", 2)
-    # every weight moves, so deltas are as big as full snapshots: allow them anyway
-    writer = ChainWriter(root / "store" / PREFIX, run="r1", policy=ChainPolicy(delta_budget=100.0))
-    snaps = [writer.add(m0, step=0), writer.add(m1, base=m0, step=1), writer.add(m2, base=m1, step=2)]
-    assert [s.kind for s in snaps] == ["full", "delta", "delta"]
-    return {"models": [m0, m1, m2], "ids": [s.identity for s in snaps], "store": root / "store", "writer": writer}
-
-
-def _gateway(chain: dict, work: Path, **fields) -> InferenceServer:
-    config = ServeConfig(model_dir=chain["models"][0], served_model_name="tiny", port=0, deployment_id=DEPLOYMENT,
-                         store=str(chain["store"]), prefix=PREFIX, token=SecretStr(TOKEN), work_dir=work,
-                         engine="vllm", vllm=VLLMProcessConfig(log_file=work.parent / f"{work.name}-vllm.log"),
-                         **fields)
-    return InferenceServer(config).start()
-
-
-def _assert_stamped_right(api: Api, identity: str, refs) -> bool:
-    """Ask for every prompt's greedy answer: each is refused (503) or comes from ``identity``'s weights and is
-    stamped so; True when all were answered."""
-    replies = [api.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS,
-                                                 "temperature": 0, "logprobs": 1}) for p in PROMPTS]
-    assert all(r.status_code in (200, 503) for r in replies), [r.text for r in replies]
-    if not all(r.status_code == 200 for r in replies):
-        return False
-    assert {r.json()["snapshot_identity"] for r in replies} == {identity}
-    assert_matches([(r.json()["choices"][0]["token_ids"], r.json()["choices"][0]["logprobs"]["token_logprobs"])
-                    for r in replies], refs)
-    return True
-
-
-def _loader(server: InferenceServer, make_client):
-    return make_client(server, timeout=300, fallback_to_full=False)
-
-
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory) -> dict:
-    chain = _chain(tmp_path_factory.mktemp("untied"), tied=False)
-    chain["refs"] = [transformers_greedy(m) for m in chain["models"]]
-    assert chain["refs"][0] != chain["refs"][1] != chain["refs"][2]
-    return chain
+    return untied_chain(tmp_path_factory.mktemp("untied"))
 
 
 @pytest.fixture(scope="module")
 def gateway(untied, tmp_path_factory):
-    server = _gateway(untied, tmp_path_factory.mktemp("gw") / "work", metrics_port=0)
+    server = vllm_gateway(untied, tmp_path_factory.mktemp("gw") / "work", metrics_port=0)
     yield server
     server.shutdown()
     assert not server.engine.replicas[0].process.pids(), "shutdown left vLLM processes behind"
@@ -132,7 +84,7 @@ def test_prometheus_sees_two_hot_loads_and_a_refused_one(gateway, untied, promet
     boot = _prom_served(prometheus, instance)
     assert len(boot) == 1 and untied["ids"][0] not in boot
 
-    loader = _loader(gateway, make_client)
+    loader = gateway_loader(gateway, make_client)
     full, delta = untied["ids"][0], untied["ids"][1]
     for identity, base in ((full, None), (delta, full)):
         assert loader.hot_load(identity, base_identity=base).identity == identity
@@ -172,7 +124,7 @@ def test_prometheus_sees_two_hot_loads_and_a_refused_one(gateway, untied, promet
 
 def test_full_delta_delta_are_each_served_exactly(gateway, untied, make_client):
     api = Api(gateway.url)
-    loader = _loader(gateway, make_client)
+    loader = gateway_loader(gateway, make_client)
     for i, identity in enumerate(untied["ids"]):
         base = untied["ids"][i - 1] if i else None
         result = loader.hot_load(identity, base_identity=base)
@@ -184,7 +136,7 @@ def test_full_delta_delta_are_each_served_exactly(gateway, untied, make_client):
 
 def test_bad_versions_fail_naming_the_tensor_and_the_previous_one_stays_served(gateway, untied, make_client, tmp_path):
     api = Api(gateway.url)
-    loader = _loader(gateway, make_client)
+    loader = gateway_loader(gateway, make_client)
     last = untied["ids"][-1]
     assert served_greedy(api)[1] == last
     writer = untied["writer"]
@@ -227,7 +179,7 @@ def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gat
     while time.monotonic() < deadline:
         replica = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"][0]
         states.append(replica["state"])
-        _assert_stamped_right(api, serving, untied["refs"][index])  # while it restarts, too
+        assert_stamped_right(api, serving, untied["refs"][index])  # while it restarts, too
         if "ERROR" in states and replica["state"] == "READY":
             break
         time.sleep(0.5)
@@ -235,7 +187,7 @@ def test_a_killed_engine_is_reported_then_restarted_on_the_last_good_version(gat
     got, stamped = served_greedy(api)
     assert stamped == serving
     assert_matches(got, untied["refs"][index])
-    loader = _loader(gateway, make_client)
+    loader = gateway_loader(gateway, make_client)
     target = 1 if index != 1 else 2  # a delta that applies to what it serves (or, after the full, its chain)
     loader.hot_load(untied["ids"][target], base_identity=untied["ids"][target - 1])
     assert_matches(served_greedy(api)[0], untied["refs"][target])
@@ -246,7 +198,7 @@ def test_an_engine_keeping_one_tensors_old_value_fails_the_probe_and_the_previou
     """The trainer's probe travels with the snapshot; an engine whose reload kept one tensor's old value
     answers differently (so "it changed" passes) but not as the trainer's weights did: refused."""
     api = Api(gateway.url)
-    loader = _loader(gateway, make_client)
+    loader = gateway_loader(gateway, make_client)
     served_answers, served = served_greedy(api)
     index = untied["ids"].index(served)
     base = untied["models"][index]
@@ -275,61 +227,3 @@ def test_the_gateway_refuses_what_the_contract_forbids_before_vllm_sees_it(gatew
                                                            **extra})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field  # the gateway's refusal (vLLM would take most of these)
-
-
-def test_a_vllm_at_a_url_restarted_on_its_launch_weights_is_never_stamped_and_is_put_back(untied, make_client,
-                                                                                        tmp_path):
-    """Someone else runs vLLM; it restarts on the folder it was launched with. Every answer the gateway
-    stamps comes from the stamped version, and the gateway reloads that version into it."""
-    engine = VLLMProcess(VLLMProcessConfig(served_model_name="tiny", log_file=tmp_path / "theirs.log"))
-    engine.start(untied["models"][0])
-    server = None
-    try:
-        server = _gateway(untied, tmp_path / "work", engine_urls=[engine.url], probe_interval_s=1.0)
-        api = Api(server.url)
-        loader = _loader(server, make_client)
-        loader.hot_load(untied["ids"][0])
-        loader.hot_load(untied["ids"][1], base_identity=untied["ids"][0])
-        assert_matches(served_greedy(api)[0], untied["refs"][1])
-
-        restarter = threading.Thread(target=engine.restart, args=(untied["models"][0],))
-        restarter.start()
-        answered, deadline = [], time.monotonic() + 300
-        while time.monotonic() < deadline:
-            # never the launch weights stamped as ids[1]
-            if _assert_stamped_right(api, untied["ids"][1], untied["refs"][1]):
-                answered.append(not restarter.is_alive())
-                if answered[-1]:
-                    break
-            time.sleep(0.5)
-        restarter.join()
-        assert answered and answered[-1], "the gateway never served again after the engine restarted"
-        assert not server.engine.replica_errors()
-    finally:
-        if server is not None:
-            server.shutdown()
-        engine.stop()  # "someone else's" engine: the gateway does not stop it (it leaked after the suite)
-        engine.stop()
-
-
-def test_a_tied_model_at_a_url_refuses_the_hot_load_and_keeps_serving(make_client, tmp_path):
-    """vLLM's CPU build reloads a tied model wrongly in place, and an engine someone else runs cannot be
-    restarted by the gateway: the hot-load is refused before vLLM is touched, and it keeps serving."""
-    tied = _chain(tmp_path / "tied", tied=True)
-    engine = VLLMProcess(VLLMProcessConfig(served_model_name="tiny", log_file=tmp_path / "theirs.log"))
-    engine.start(tied["models"][0])
-    server = None
-    try:
-        server = _gateway(tied, tmp_path / "work", engine_urls=[engine.url])
-        api = Api(server.url)
-        refs = transformers_greedy(tied["models"][0])
-        with pytest.raises(HotLoadFailed, match="cannot restart an engine someone else runs"):
-            _loader(server, make_client).hot_load(tied["ids"][1], base_identity=tied["ids"][0])
-        op_id = api.ops()[0]["spec"]["id"]
-        replicas = api.get(f"/v1alpha1/inference/hotLoads/{op_id}/replicas").json()["replicas"]
-        assert [r["state"] for r in replicas] == ["READY"]
-        assert _assert_stamped_right(api, None, refs)  # still the launch weights, stamped as such
-    finally:
-        if server is not None:
-            server.shutdown()
-        engine.stop()
