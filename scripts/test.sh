@@ -52,8 +52,9 @@ export POSTTRAIN_REQUIRE_SERVICES=1
 
 set +e
 # shellcheck disable=SC2086
-# --durations: the slowest tests close the report, where CI output is read (suite time is a budget)
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${POSTTRAIN_TEST_WORKERS:-2}" --dist loadgroup --durations=25 ${PYTEST_ARGS:-} tests
+# --durations: the slowest tests close the report, where CI output is read (suite time is a budget);
+# --no-loadscope-reorder: the groups are handed out in tests/conftest.py's order (longest first)
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${POSTTRAIN_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --durations=25 ${PYTEST_ARGS:-} tests
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

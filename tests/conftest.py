@@ -10,12 +10,11 @@ a group, run one after another in one worker:
 - slurm: the other tests that run jobs on the Slurm cluster (its fixtures, or the ``slurm`` mark),
   beside it. The cluster's two nodes have room for a job of each group at once (a CPU each per
   node); within a group, tests that assert how fast a cancel or requeue acts never share the nodes;
-- vllm: the tests that start vLLM (the ``vllm`` mark), also a module marked ``prefect_own_blocks``
-  whose flows use the suite's Prefect server with blocks of their own only. vLLM's CPU build pins
-  its engine to core 0 of the two (the other kept for the rest): two engines at once ran at half
-  speed on one core, and two starts passed 300 s in one run of the suite.
 Every other module is a group of its own (its module fixtures start once), run by whichever worker
-is free.
+is free: orchestration and slurm are handed out first, then the modules with ``slow`` tests, then the
+rest (the test command keeps this order: ``--no-loadscope-reorder``; xdist would order the groups by
+their number of tests, and the longest could start last). A module marked ``prefect_own_blocks`` uses
+the suite's Prefect server with blocks of its own only, beside the orchestration group.
 """
 
 from __future__ import annotations
@@ -31,6 +30,9 @@ import pytest
 # core), 32 s with one. Set before anything imports torch; a value the caller exported wins.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# vLLM's CPU build pins its worker to core 0 ("auto"): two engines at once (one per xdist worker, or a
+# test's beside a module's) shared that core, and a start passed 300 s. Unpinned, the OS spreads them.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 pytest_plugins = [
     "tests.support.cluster",
@@ -50,7 +52,6 @@ ORCHESTRATION = "orchestration"
 # The Slurm cluster: the tests that use it without the Prefect server, one after another.
 SLURM_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes"}
 SLURM = "slurm"
-VLLM = "vllm"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,19 +75,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
     """The groups of the module docstring: orchestration first (the longest starts at once), then
-    slurm beside it, then vllm, each in collection order, then every other module."""
+    slurm beside it, then the modules with slow tests, then every other module."""
     def group(item: pytest.Item) -> str:
         fixtures = set(getattr(item, "fixturenames", ()))
         if ORCHESTRATION_FIXTURES & fixtures and not item.get_closest_marker("prefect_own_blocks"):
             return ORCHESTRATION
         if SLURM_FIXTURES & fixtures or item.get_closest_marker("slurm"):
             return SLURM
-        if item.get_closest_marker("vllm"):
-            return VLLM
         return item.nodeid.split("::", 1)[0]
 
     groups = {id(item): group(item) for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    first = {ORCHESTRATION: 0, SLURM: 1, VLLM: 2}
-    items.sort(key=lambda i: first.get(groups[id(i)], 3))  # stable: collection order within each part
+    slow = {groups[id(i)] for i in items if i.get_closest_marker("slow")}
+    first = {ORCHESTRATION: 0, SLURM: 1}
+    # stable: collection order within each part
+    items.sort(key=lambda i: first.get(groups[id(i)], 2 if groups[id(i)] in slow else 3))
