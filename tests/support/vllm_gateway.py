@@ -29,6 +29,9 @@ def gateway_chain(root: Path, tied: bool) -> dict:
 
 
 def vllm_gateway(chain: dict, work: Path, **fields) -> InferenceServer:
+    """A started gateway over one vLLM it supervises, booted from the chain's first model (``fields``:
+    more ServeConfig fields, ``vllm`` among them)."""
+    fields.setdefault("vllm", VLLMProcessConfig(log_file=work.parent / f"{work.name}-vllm.log"))
     config = ServeConfig(
         model_dir=chain["models"][0],
         served_model_name="tiny",
@@ -39,7 +42,6 @@ def vllm_gateway(chain: dict, work: Path, **fields) -> InferenceServer:
         token=SecretStr(TOKEN),
         work_dir=work,
         engine="vllm",
-        vllm=VLLMProcessConfig(log_file=work.parent / f"{work.name}-vllm.log"),
         **fields,
     )
     return InferenceServer(config).start()

@@ -8,18 +8,16 @@ import json
 import shutil
 from pathlib import Path
 
-from pydantic import SecretStr
-
 from posttrain.chain.policy import ChainPolicy
 from posttrain.chain.writer import ChainWriter
 from posttrain.cli.serve import register as register_serve
-from posttrain.serve.serve_config import ServeConfig
 from posttrain.serve.server import InferenceServer
 from posttrain.serve.vllm.process import VLLMProcessConfig
 from posttrain.testing import vllm_readback_faults as faults
-from tests.support.serving import DEPLOYMENT, PREFIX, TOKEN, Api
+from tests.support.serving import PREFIX, Api
 from tests.support.updates import one_update
 from tests.support.vllm import served_greedy, vllm_model
+from tests.support.vllm_gateway import vllm_gateway
 
 EMBEDDINGS = "model.embed_tokens.weight"
 
@@ -60,21 +58,14 @@ def cli_vllm_dtype() -> str:
 
 
 def readback_gateway(chain: dict, work: Path, vllm: VLLMProcessConfig) -> InferenceServer:
-    config = ServeConfig(
-        model_dir=chain["models"][0],
-        served_model_name="tiny",
-        port=0,
-        deployment_id=DEPLOYMENT,
-        store=str(chain["store"]),
-        prefix=PREFIX,
-        token=SecretStr(TOKEN),
-        work_dir=work,
-        engine="vllm",
+    # an idle replica read back every 2 s: found within 2.5 s
+    return vllm_gateway(
+        chain,
+        work,
         vllm=vllm.model_copy(update={"served_model_name": "tiny"}),
         probe_interval_s=0.5,
-        idle_probe_interval_s=2.0,  # an idle replica read back every 2 s: found within 2.5 s
+        idle_probe_interval_s=2.0,
     )
-    return InferenceServer(config).start()
 
 
 def arm_fault(path: Path, **fault) -> None:
