@@ -323,13 +323,23 @@ def test_rollouts_beyond_the_staleness_bound_are_named(built: Built) -> None:
 def test_a_run_failed_without_a_fault_is_named(built: Built) -> None:
     built.fake.runs["fr-1"]["state"] = {"type": "FAILED", "name": "Failed", "message": "ValueError: boom"}
     built.fake.runs["fr-3"] = {"state": {"type": "RUNNING", "name": "Running"}, "start_time": iso(400)}
-    built.rows["runs"].append({"flow_run_id": "fr-3", "deployment": "grpo/grpo", "kind": "grpo", "night": 1,
-                               "started_at": iso(400)})
+    lost = "No heartbeat for 90 s: the worker running this flow run was lost."
+    for rid, count in (("fr-4", 1), ("fr-5", 4)):  # a worker kill: retried on attempts 1..3, left Crashed after
+        built.fake.runs[rid] = {"state": {"type": "CRASHED", "name": "Crashed", "message": lost}, "run_count": count,
+                                "start_time": iso(400), "end_time": iso(520)}
+    built.rows["faults"].append({"kind": "worker_kill", "target": "worker", "started_at": iso(420),
+                                 "ended_at": iso(421), "detail": "SIGKILL", "planned_at_s": 420, "injected": True})
+    built.rows["runs"] += [{"flow_run_id": rid, "deployment": "grpo/grpo", "kind": "grpo", "night": 1,
+                            "started_at": iso(400)} for rid in ("fr-3", "fr-4", "fr-5")]
     built.write("runs")
-    found = violations(built.check("runs"), "runs")
-    assert len(found) == 2, found
+    built.write("faults")
+    results = built.check("runs")
+    found = violations(results, "runs")
+    assert len(found) == 3, found
     assert any("fr-1" in v and "no injected fault" in v for v in found), found
     assert any("fr-3" in v and "did not end" in v for v in found), found
+    assert any("fr-4" in v and "Crashed on attempt 1 and was not retried" in v for v in found), found
+    assert any("fr-5" in n and "killed by worker_kill" in n for r in results for n in r.notes)
 
 
 def test_a_leftover_lease_is_named(built: Built) -> None:

@@ -11,7 +11,10 @@ words (``FATAL``). The kinds that may end a run, and why:
 - ``worker_kill``: its flow-run process dies with the worker; Prefect marks it Crashed and the
   retry automation retries it a bounded number of times (``--crash-retries``, 3 by default): a
   run killed more often than that stays Crashed (its message: the process exited, or a lost
-  heartbeat). Also ``trainer_kill`` when the flow's own process was the one killed.
+  heartbeat). A run Crashed on an attempt the automation retries (run count 1..N) has not
+  ended: it is a violation whatever its message (recovery without a person did not happen, or
+  not before the soak gave up waiting). A run Crashed before it ever ran (run count 0) is not
+  retried, by design (docs/recovery.md): any fault kind below may end it so.
 - ``trainer_kill``: a training job killed with SIGKILL ends failed; a resident or nightly job is
   submitted again once, but a kill that takes the resubmitted job too fails the run (its message
   names the job's end: exit status, signal).
@@ -33,9 +36,10 @@ import urllib.error
 import urllib.request
 
 from posttrain.testing.soak.check_context import Context
-from posttrain.testing.soak.check_model import CheckResult, parse_time
+from posttrain.testing.soak.check_model import CheckResult, finite, parse_time
 
 GRACE_S = 30.0
+CRASH_RETRIES = 3  # posttrain prefect-setup's default --crash-retries (soak.json "crash_retries" overrides it)
 TERMINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
 CRASH_WORDS = ("crash", "exited", "infrastructure", "heartbeat", "killed", "sigkill", "signal 9", "-9")
 FATAL: dict[str, tuple[str, ...]] = {
@@ -87,6 +91,12 @@ def check_runs(ctx: Context) -> CheckResult:
             continue
         if kind not in TERMINAL_BAD:
             res.bad(f"{what} did not end: {state.get('name') or kind} after the soak")
+            continue
+        retries = ctx.soak.meta.get("crash_retries", CRASH_RETRIES)
+        count = fr.get("run_count")
+        if kind == "CRASHED" and finite(count, retries) and 1 <= count <= retries:
+            res.bad(f"{what} is Crashed on attempt {count} and was not retried (the retry automation retries "
+                    f"attempts 1..{retries}): recovery without a person did not happen. {message[:200]!r}")
             continue
         start = parse_time(fr.get("start_time")) or parse_time(run.get("started_at"))
         end = parse_time(fr.get("end_time")) or parse_time(state.get("timestamp"))
