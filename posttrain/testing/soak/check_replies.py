@@ -28,7 +28,7 @@ import numpy as np
 
 from posttrain.testing.soak.check_context import Context
 from posttrain.testing.soak.check_model import CheckResult, finite
-from posttrain.testing.soak.check_store import NP_DTYPES, Rebuilt, parse_safetensors
+from posttrain.testing.soak.check_store import NP_DTYPES, Rebuilt, content_digest, parse_safetensors
 
 TOLERANCE = {"F32": 1e-3, "F64": 1e-3, "BF16": 5e-2, "F16": 2e-2}
 MAX_REPORTED_PER_IDENTITY = 5
@@ -48,6 +48,7 @@ def check_replies(ctx: Context) -> CheckResult:
         by_identity.setdefault(r.get("identity"), []).append(r)
     rebuilt = ctx.rebuilt[0]
     base = ctx.soak.meta.get("base_model")
+    _note_identical(res, {i: rebuilt[i] for i in by_identity if i in rebuilt}, base if None in by_identity else None)
     for ident, rows in sorted(by_identity.items(), key=lambda kv: kv[0] or ""):
         if ident is None:
             if not base or not (Path(base) / "config.json").is_file():
@@ -77,6 +78,20 @@ def check_replies(ctx: Context) -> CheckResult:
             res.bad(f"... and {wrong - MAX_REPORTED_PER_IDENTITY} more replies stamped {ident} that its weights "
                     "do not give")
     return res
+
+
+def _note_identical(res: CheckResult, versions: dict, base: str | None) -> None:
+    """Say when identities that replies are stamped with hold the same weights: a reply computed with
+    one of them but stamped with another cannot be told apart from a right one."""
+    digests: dict[str, list[str]] = {}
+    for ident, version in versions.items():
+        digests.setdefault(content_digest(version.tensors), []).append(ident)
+    if base and (Path(base) / "config.json").is_file():
+        digests.setdefault(content_digest(_folder_tensors(Path(base))), []).append("the boot weights")
+    for same in digests.values():
+        if len(same) > 1:
+            res.notes.append(f"{', '.join(sorted(same))} hold identical weights: replies stamped with one of them "
+                             "cannot be told from replies of another")
 
 
 def _served_by_production(ctx: Context) -> set[str] | None:
@@ -121,13 +136,17 @@ def _load(version):  # noqa: ANN001, ANN202 - check_store.Rebuilt -> (model, eos
     return model, eos_ids, dtype
 
 
-def _load_folder(folder: Path):  # noqa: ANN202 - (model, eos ids, dtype) of the boot weights
+def _folder_tensors(folder: Path) -> dict:
     tensors = {}
     for shard in sorted(folder.glob("*.safetensors")):
         data = shard.read_bytes()
         _, found, _ = parse_safetensors(data, str(shard))
         tensors.update({name: (dt, shape, data[b:e]) for name, (dt, shape, b, e) in found.items()})
-    return _load(Rebuilt(tensors, (folder / "config.json").read_bytes(), 0))
+    return tensors
+
+
+def _load_folder(folder: Path):  # noqa: ANN202 - (model, eos ids, dtype) of the boot weights
+    return _load(Rebuilt(_folder_tensors(folder), (folder / "config.json").read_bytes(), 0))
 
 
 def _check_one(model, eos: set[int], r: dict, tol: float) -> str | None:  # noqa: ANN001
