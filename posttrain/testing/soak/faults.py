@@ -73,7 +73,8 @@ class Injector:
         deadline = time.monotonic() + TRAINER_WAIT_S
         while not self.stopping.is_set():
             trainers = processes_matching("posttrain.trainer", jobs)
-            chosen = [p for p in trainers if f"{self.system.name}-{fault.target}" in cmdline(p)] or trainers
+            # job folders are <job name>-<run id>, the job name cut short: soak-2-1203161602-nigh-3784b7ce
+            chosen = [p for p in trainers if f"{self.system.name}-{fault.target[:4]}" in cmdline(p)] or trainers
             if chosen:
                 lines = {p: cmdline(p)[:160] for p in chosen}
                 hit = kill_at_once(chosen)
