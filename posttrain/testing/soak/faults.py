@@ -20,6 +20,13 @@ TRAINER_WAIT_S = 90.0  # how long trainer_kill waits for a trainer to run
 FILLER = ".soak-spool-full"
 
 
+def _kind_of(line: str, name: str) -> str | None:
+    """nightly or grpo: the run kind of a trainer's command line, from its job folder, named after the run
+    and cut short (``soak-2-1203161602-nigh-3784b7ce``)."""
+    cut = line.split(f"{name}-", 1)[1].split("-", 1)[0] if f"{name}-" in line else ""
+    return next((kind for kind in ("nightly", "grpo") if cut and kind.startswith(cut)), None)
+
+
 class Injector:
     def __init__(self, system: System, rec: Recorder, faults: list[PlannedFault], t0: float) -> None:
         self.system, self.rec, self.faults, self.t0 = system, rec, faults, t0
@@ -73,8 +80,7 @@ class Injector:
         deadline = time.monotonic() + TRAINER_WAIT_S
         while not self.stopping.is_set():
             trainers = processes_matching("posttrain.trainer", jobs)
-            # job folders are <job name>-<run id>, the job name cut short: soak-2-1203161602-nigh-3784b7ce
-            chosen = [p for p in trainers if f"{self.system.name}-{fault.target[:4]}" in cmdline(p)] or trainers
+            chosen = [p for p in trainers if _kind_of(cmdline(p), self.system.name) == fault.target] or trainers
             if chosen:
                 lines = {p: cmdline(p)[:160] for p in chosen}
                 hit = kill_at_once(chosen)
