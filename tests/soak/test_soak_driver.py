@@ -156,3 +156,12 @@ def test_a_killed_process_is_started_again_by_its_supervisor(tmp_path):
     finally:
         proc.stop()
     assert not alive(proc.proc.pid) and any("exited rc -9" in e for e in events), events
+
+
+def test_trainer_kill_tells_the_run_kind_from_a_cut_job_folder_name():
+    from posttrain.testing.soak.faults import _kind_of
+
+    name = "soak-2-1203161602"
+    assert _kind_of(f"python -m posttrain.trainer /w/jobs/{name}-nigh-3784b7ce-20261203/trainer.yaml", name) == "nightly"
+    assert _kind_of(f"python -m posttrain.trainer /w/jobs/{name}-grpo-1a2b3c4d-20261203/trainer.yaml", name) == "grpo"
+    assert _kind_of("python -m posttrain.trainer /elsewhere/trainer.yaml", name) is None
