@@ -137,3 +137,49 @@ def test_a_dask_scheduler_that_does_not_answer_fails_naming_dask_address():
         port = s.getsockname()[1]
     with pytest.raises(ValueError, match=rf"^dask_address: nothing answers at tcp://127.0.0.1:{port} \("):
         blocks.check_dask_scheduler.fn(f"tcp://127.0.0.1:{port}")
+
+
+def _http_error(status: int):
+    import httpx
+
+    request = httpx.Request("GET", "http://127.0.0.1:4200/api/block_documents")
+    return httpx.HTTPStatusError(f"{status}", request=request, response=httpx.Response(status, request=request))
+
+
+def _failing(calls: list, error: Exception):
+    def load(ref):
+        calls.append(ref)
+        raise error
+
+    return load
+
+
+def test_a_block_load_that_meets_a_failing_prefect_api_is_tried_again(monkeypatch):
+    """A Prefect server whose database restarts answers 500 for a few seconds: the block is loaded
+    again (a soak found a nightly run failed by one); a block that is not there fails at once."""
+    import httpx
+    from prefect.blocks.core import Block
+
+    calls, block = [], object()
+
+    def load(ref):
+        calls.append(ref)
+        if len(calls) < 3:
+            raise _http_error(500) if len(calls) == 1 else httpx.ConnectError("refused")
+        return block
+
+    monkeypatch.setattr(Block, "load", staticmethod(load))
+    monkeypatch.setattr(blocks.time, "sleep", lambda s: None)
+    assert blocks.load_block("slurm-cluster/site", "cluster") is block and len(calls) == 3
+
+    calls.clear()
+    monkeypatch.setattr(Block, "load", staticmethod(_failing(calls, ValueError("Unable to find block document named site"))))
+    with pytest.raises(ValueError, match="cluster: cannot load block 'slurm-cluster/site'.*Unable to find"):
+        blocks.load_block("slurm-cluster/site", "cluster")
+    assert len(calls) == 1  # not a transient failure: no second try
+
+    calls.clear()
+    monkeypatch.setattr(Block, "load", staticmethod(_failing(calls, _http_error(503))))
+    with pytest.raises(ValueError, match="cluster: cannot load block .*503"):
+        blocks.load_block("slurm-cluster/site", "cluster", retry_s=0.5)
+    assert len(calls) == 1  # the backoff (1 s) does not fit in 0.5 s: given up, named

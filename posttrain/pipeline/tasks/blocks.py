@@ -4,6 +4,9 @@ scheduler its shards go to."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 from prefect import get_run_logger, task
 from prefect.blocks.core import Block
 from prefect.cache_policies import NO_CACHE
@@ -12,17 +15,34 @@ from posttrain.cluster import preflight
 from posttrain.cluster.errors import ConfigError
 from posttrain.rollouts.scoring import load_reward_funcs
 
+# A Prefect server whose database restarts answers 500 for a few seconds (a soak found a nightly run
+# failed by one): such answers, and a server not answering, are tried again for this long.
+BLOCK_LOAD_RETRY_S = 60.0
 
-def load_block(ref: str, what: str) -> Block:
-    """``ref`` is ``<block-type-slug>/<name>``; the error names the run setting at fault."""
+
+def _transient(e: Exception) -> bool:
+    """The Prefect API failed (a 5xx, or no answer): not a word about the block itself."""
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    return isinstance(e, httpx.TransportError) or (isinstance(status, int) and status >= 500)
+
+
+def load_block(ref: str, what: str, *, retry_s: float = BLOCK_LOAD_RETRY_S) -> Block:
+    """``ref`` is ``<block-type-slug>/<name>``; the error names the run setting at fault. A failing
+    Prefect API (5xx, no answer) is asked again, with backoff, for ``retry_s`` seconds."""
     if "/" not in ref:
         raise ValueError(f"{what}: {ref!r} is not <block-type-slug>/<name>")
     import posttrain.pipeline.blocks  # noqa: F401 - registers posttrain's block classes for Block.load
 
-    try:
-        return Block.load(ref)
-    except Exception as e:  # noqa: BLE001 - whatever Block.load raises, name the setting
-        raise ValueError(f"{what}: cannot load block {ref!r} ({type(e).__name__}: {e})") from None
+    deadline, pause = time.monotonic() + retry_s, 1.0
+    while True:
+        try:
+            return Block.load(ref)
+        except Exception as e:  # noqa: BLE001 - whatever Block.load raises, name the setting
+            if _transient(e) and time.monotonic() + pause < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, 10.0)
+                continue
+            raise ValueError(f"{what}: cannot load block {ref!r} ({type(e).__name__}: {e})") from None
 
 
 @task(name="check-blocks")
