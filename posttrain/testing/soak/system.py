@@ -29,7 +29,9 @@ SERVICES = REPO / "scripts" / "services"
 MODEL_NAME = "tiny"
 PREFIX = "chains"
 REGION = "us-east-1"
-REWARDS = ["posttrain.rewards:correctness_reward"]
+# length_reward varies with the completion (the tiny model is never correct): every step changes the weights,
+# so that replies of different snapshots can be told apart
+REWARDS = ["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"]
 FLOWS = {"nightly": ("nightly-post-training", "posttrain/pipeline/flows/nightly.py:nightly_post_training"),
          "grpo": ("grpo", "posttrain/pipeline/flows/grpo.py:grpo"),
          "promote": ("promote", "posttrain/pipeline/flows/promote.py:promote"),
