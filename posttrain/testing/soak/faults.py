@@ -75,12 +75,14 @@ class Injector:
 
     def trainer_kill(self, fault: PlannedFault) -> tuple[bool, str]:
         """SIGKILL to the trainer processes (python -m posttrain.trainer, its launcher) of a run of the
-        target kind, else of any run; waits up to TRAINER_WAIT_S for one."""
+        target kind (waited for TRAINER_WAIT_S / 2), else of any run (waited for as long again)."""
         jobs = str(self.system.jobs)
         deadline = time.monotonic() + TRAINER_WAIT_S
         while not self.stopping.is_set():
             trainers = processes_matching("posttrain.trainer", jobs)
-            chosen = [p for p in trainers if _kind_of(cmdline(p), self.system.name) == fault.target] or trainers
+            chosen = [p for p in trainers if _kind_of(cmdline(p), self.system.name) == fault.target]
+            if not chosen and time.monotonic() > deadline - TRAINER_WAIT_S / 2:  # then any run's trainer
+                chosen = trainers
             if chosen:
                 lines = {p: cmdline(p)[:160] for p in chosen}
                 hit = kill_at_once(chosen)
