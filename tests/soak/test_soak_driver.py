@@ -165,3 +165,42 @@ def test_trainer_kill_tells_the_run_kind_from_a_cut_job_folder_name():
     assert _kind_of(f"python -m posttrain.trainer /w/jobs/{name}-nigh-3784b7ce-20261203/trainer.yaml", name) == "nightly"
     assert _kind_of(f"python -m posttrain.trainer /w/jobs/{name}-grpo-1a2b3c4d-20261203/trainer.yaml", name) == "grpo"
     assert _kind_of("python -m posttrain.trainer /elsewhere/trainer.yaml", name) is None
+
+
+def test_the_client_records_every_reply_on_its_thread_and_stops(tmp_path):
+    """The client (a Background actor like the nights, the operator and the injector) asks on its own
+    thread until stopped, and records every request, a failed one with status 0 and its error."""
+    import socket
+    import time
+
+    from posttrain.testing.soak.client import Client
+    from posttrain.testing.soak.record import Recorder
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rec = Recorder(tmp_path)
+    client = Client(rec, f"http://127.0.0.1:{port}", "t", "tiny", interval_s=0.05)
+    client.start()
+    deadline = time.monotonic() + 60
+    while client.sent < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.stop()
+    sent = client.sent
+    time.sleep(0.2)
+    assert sent >= 3 and client.sent == sent and not client._thread.is_alive()  # stopped for good
+    rec.close()
+    rows = [json.loads(line) for line in (tmp_path / "replies.jsonl").read_text().splitlines()]
+    assert len(rows) == sent and all(r["status"] == 0 and r["error"] for r in rows)
+
+
+def test_a_background_actor_waits_for_its_time_unless_stopped():
+    import time
+
+    from posttrain.testing.soak.record import Background
+
+    actor = Background("t", t0=time.monotonic())
+    t = time.monotonic()
+    assert actor._until(0.2) is False and time.monotonic() - t >= 0.19
+    actor.stopping.set()
+    assert actor._until(3600) is True  # at once

@@ -5,11 +5,10 @@ the weights of the identity it names."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 
-from posttrain.testing.soak.record import Recorder, now
+from posttrain.testing.soak.record import Background, Recorder, now
 
 # Token-id prompts within the tiny model's vocabulary, the same all along
 PROMPTS = ([1, 2, 3, 4], [5, 9, 14, 20, 27], [30, 31, 32], [7, 7, 7, 7, 7, 7])
@@ -17,20 +16,12 @@ MAX_TOKENS = 4
 TEMPERATURE = 0.0
 
 
-class Client:
+class Client(Background):
     def __init__(self, rec: Recorder, url: str, token: str, model: str, interval_s: float = 0.5) -> None:
+        super().__init__("client")
         self.rec, self.url, self.token, self.model, self.interval_s = rec, url, token, model, interval_s
-        self.stopping = threading.Event()
         self.sent = 0
         self.by_status: dict[int, int] = {}
-        self._thread = threading.Thread(target=self._loop, name="client", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self._thread.join()
 
     def _loop(self) -> None:
         i = 0

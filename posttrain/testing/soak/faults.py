@@ -6,13 +6,12 @@ the restart to a supervisor, as a site's systemd would."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from posttrain.testing.soak.processes import cmdline, kill_at_once, processes_matching
-from posttrain.testing.soak.record import Recorder, now
+from posttrain.testing.soak.record import Background, Recorder, now
 from posttrain.testing.soak.schedule import PlannedFault
 from posttrain.testing.soak.system import System, prefect_healthy, service_script
 
@@ -27,28 +26,23 @@ def _kind_of(line: str, name: str) -> str | None:
     return next((kind for kind in ("nightly", "grpo") if cut and kind.startswith(cut)), None)
 
 
-class Injector:
+class Injector(Background):
     def __init__(self, system: System, rec: Recorder, faults: list[PlannedFault], t0: float) -> None:
-        self.system, self.rec, self.faults, self.t0 = system, rec, faults, t0
-        self.stopping = threading.Event()
+        super().__init__("injector", t0)
+        self.system, self.rec, self.faults = system, rec, faults
         self.counts: dict[str, int] = {}
-        self._thread = threading.Thread(target=self._loop, name="injector", daemon=True)
         self._handlers: dict[str, Callable[[PlannedFault], tuple[bool, str]]] = {
             "worker_kill": self.worker_kill, "trainer_kill": self.trainer_kill, "store_outage": self.store_outage,
             "serve_kill": self.serve_kill, "prefect_restart": self.prefect_restart,
             "postgres_restart": self.postgres_restart, "spool_full": self.spool_full}
 
-    def start(self) -> None:
-        self._thread.start()
-
     def stop(self) -> None:
         """No fault starts after this; the one under way ends as planned (it undoes itself)."""
-        self.stopping.set()
-        self._thread.join()
+        super().stop()
 
     def _loop(self) -> None:
         for fault in self.faults:
-            if self.stopping.wait(max(0.0, self.t0 + fault.at_s - time.monotonic())):
+            if self._until(fault.at_s):
                 return
             started = now()
             self.rec.log(f"fault {fault.kind} {fault.target} for {fault.duration_s} s (planned at {fault.at_s} s)")

@@ -9,12 +9,11 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
 from posttrain.testing.soak.api import create_run, run_state
-from posttrain.testing.soak.record import Recorder, now
+from posttrain.testing.soak.record import Background, Recorder, now
 from posttrain.testing.soak.schedule import PlannedAction
 from posttrain.testing.soak.system import REPO, REWARDS, System
 
@@ -56,32 +55,24 @@ def with_retries(call, what: str, rec: Recorder, budget_s: float = API_RETRY_S):
             time.sleep(3)
 
 
-class Nights:
+class Nights(Background):
     """Night n starts at n x night_s: a nightly and a GRPO run (a kind whose last run has not ended is
     not started again: it is logged), and gc when the night ends."""
 
     def __init__(self, system: System, rec: Recorder, nights: int, night_s: float, t0: float) -> None:
-        self.system, self.rec, self.nights, self.night_s, self.t0 = system, rec, nights, night_s, t0
-        self.stopping = threading.Event()
+        super().__init__("nights", t0)
+        self.system, self.rec, self.nights, self.night_s = system, rec, nights, night_s
         self.started: dict[str, str] = {}  # flow run id -> kind
         self.skipped = 0
-        self._thread = threading.Thread(target=self._loop, name="nights", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self._thread.join()
 
     def _loop(self) -> None:
         for night in range(self.nights):
-            if self.stopping.wait(max(0.0, self.t0 + night * self.night_s - time.monotonic())):
+            if self._until(night * self.night_s):
                 return
             self.rec.log(f"night {night} begins")
             for kind in ("nightly", "grpo"):
                 self._start_run(kind, night)
-            if self.stopping.wait(max(0.0, self.t0 + (night + 1) * self.night_s - 5 - time.monotonic())):
+            if self._until((night + 1) * self.night_s - 5):
                 return
             run_gc(self.system, self.rec)
 
@@ -157,26 +148,18 @@ def run_gc(system: System, rec: Recorder) -> None:
                              "--keep-runs", str(GC_KEEP_RUNS)])
 
 
-class Operator:
+class Operator(Background):
     """The planned rollbacks (``posttrain rollback --to previous``) and promotions (the promote
     deployment, with the identity staging serves as the candidate)."""
 
     def __init__(self, system: System, rec: Recorder, actions: list[PlannedAction], t0: float) -> None:
-        self.system, self.rec, self.actions, self.t0 = system, rec, actions, t0
-        self.stopping = threading.Event()
+        super().__init__("operator", t0)
+        self.system, self.rec, self.actions = system, rec, actions
         self.promote_runs: list[str] = []
-        self._thread = threading.Thread(target=self._loop, name="operator", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self._thread.join()
 
     def _loop(self) -> None:
         for action in self.actions:
-            if self.stopping.wait(max(0.0, self.t0 + action.at_s - time.monotonic())):
+            if self._until(action.at_s):
                 return
             getattr(self, action.action)()
 

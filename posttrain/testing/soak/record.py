@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -46,3 +47,27 @@ class Recorder:
         with self._lock:
             for f in (*self._files.values(), self._log):
                 f.close()
+
+
+class Background:
+    """A soak actor on a thread of its own (client, nights, operator, faults): ``start``, ``stop`` (sets
+    ``stopping`` and joins); subclasses write ``_loop`` and wait with ``_until``."""
+
+    def __init__(self, name: str, t0: float = 0.0) -> None:
+        self.t0 = t0
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._thread.join()
+
+    def _until(self, at_s: float) -> bool:
+        """Wait until ``at_s`` seconds after ``t0``; True when the soak is stopping instead."""
+        return self.stopping.wait(max(0.0, self.t0 + at_s - time.monotonic()))
+
+    def _loop(self) -> None:
+        raise NotImplementedError
