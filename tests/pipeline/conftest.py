@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.testing.soak.processes import cmdline, descendants
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -296,8 +298,8 @@ class Worker:
         """What losing the worker (or its login node) does: SIGKILL at once to it and to the flow-run
         processes it started (``python -m prefect.engine``, wherever their session is), and nothing else:
         no signal, no closed pipe reaches a flow run before it dies. The jobs they submitted go on."""
-        doomed = [self.proc.pid] + [pid for pid in _descendants(self.proc.pid)
-                                    if "prefect.engine" in _cmdline(pid)]
+        doomed = [self.proc.pid] + [pid for pid in descendants(self.proc.pid)
+                                    if "prefect.engine" in cmdline(pid)]
         for pid in doomed:
             try:
                 os.kill(pid, signal.SIGSTOP)  # none may react to another's death
@@ -314,31 +316,6 @@ class Worker:
         """A new worker in place of this one (after ``lose``)."""
         stop_worker(self.proc)
         self.proc = _start_worker(self.log)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process under ``pid`` (children, theirs, ...)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _start_worker(log: Path) -> subprocess.Popen:
