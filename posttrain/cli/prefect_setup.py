@@ -14,15 +14,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
                    help="mark a posttrain flow run Crashed after this many seconds without a heartbeat (a lost "
                    "worker), so it can be retried; more than 30 (the seconds between heartbeats), default 90")
-    p.add_argument("--crash-retries", type=int, default=None, metavar="N",
-                   help="retry a posttrain flow run that Prefect marks Crashed (a lost worker, a killed flow-run "
-                   "process) without a person, at most N times per run; 0 to 20, 0 for never, default 3")
     p.set_defaults(func=cmd_setup)
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
     from posttrain.cli import UsageError
-    from posttrain.pipeline.deployments import crash_retries
+    from posttrain.pipeline.deployments.recovery import delete_old_automation
     from posttrain.pipeline.deployments.setup import PrefectUnreachable, create_pools, register_blocks, require_server
     from posttrain.pipeline.deployments.unresponsive import (
         AUTOMATION_NAME,
@@ -36,11 +33,6 @@ def cmd_setup(args: argparse.Namespace) -> int:
         check_timeout(timeout)
     except ValueError as e:
         raise UsageError(f"--heartbeat-timeout {e}") from None
-    retries = crash_retries.DEFAULT_RETRIES if args.crash_retries is None else args.crash_retries
-    try:
-        crash_retries.check_retries(retries)
-    except ValueError as e:
-        raise UsageError(f"--crash-retries {e}") from None
     try:
         require_server()
     except PrefectUnreachable as e:
@@ -49,9 +41,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
     print("work pools:", ", ".join(create_pools(kubernetes=not args.no_kubernetes_pool)))
     install_unresponsive_runs_automation(timeout)
     print(f"automation: {AUTOMATION_NAME} (a run without a heartbeat for {timeout} s is marked Crashed)")
-    crash_retries.install_crashed_runs_automation(retries)
-    told = f"a Crashed run is retried, at most {retries} times per run" if retries else "disabled: a person retries"
-    print(f"automation: {crash_retries.AUTOMATION_NAME} ({told})")
+    if delete_old_automation():
+        print("automation: posttrain-retry-crashed-runs deleted (it could retry a run twice after a server "
+              "restart): `posttrain recover` retries Crashed runs now")
+    print("Crashed runs are retried by `posttrain recover`: run it beside the worker (docs/recovery.md)")
     if args.default_store is not None:
         from posttrain.pipeline.blocks import LocalCluster, ObjectStore
 

@@ -21,7 +21,7 @@ def prefect_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
 
 
 def deployment_run_args(name: str, settings: dict, *, watch_timeout: float | None = None,
-                        env: dict[str, str] | None = None) -> list[str]:
+                        env: dict[str, str] | None = None, tags: tuple[str, ...] = ()) -> list[str]:
     """The arguments of ``prefect deployment run NAME`` for a run of ``settings``; with ``watch_timeout``,
     ``--watch`` for that long. The one place that knows how settings become the flows' parameters."""
     args = ["deployment", "run", name, "--params", json.dumps(settings)]
@@ -29,6 +29,8 @@ def deployment_run_args(name: str, settings: dict, *, watch_timeout: float | Non
         args += ["--watch", "--watch-interval", "1", "--watch-timeout", str(int(watch_timeout))]
     if env is not None:
         args += ["--job-variable", "env=" + json.dumps(env)]
+    for tag in tags:  # besides the deployment's own
+        args += ["--tag", tag]
     return args
 
 
@@ -44,10 +46,10 @@ def run_deployment(name: str, settings: dict, *, env: dict[str, str] | None = No
     return proc, flow_run_id_in(proc.stdout)
 
 
-def start_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None):
+def start_deployment(name: str, settings: dict, *, env: dict[str, str] | None = None, tags: tuple[str, ...] = ()):
     """``prefect deployment run NAME --params '<settings as JSON>'`` without watching (it returns once the
     flow run is created): (completed process, flow run id)."""
-    proc = prefect_cli(*deployment_run_args(name, settings, env=env), timeout=120)
+    proc = prefect_cli(*deployment_run_args(name, settings, env=env, tags=tags), timeout=120)
     return proc, flow_run_id_in(proc.stdout)
 
 

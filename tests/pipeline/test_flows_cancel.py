@@ -34,10 +34,10 @@ LOCAL_STOP_S = 120
 
 
 def start_until_submitted(tiny_setup, process_worker, deployment: str, run: str, settings: dict,
-                          marker: str) -> tuple[str, JobRecord]:
+                          marker: str, tags: tuple[str, ...] = ()) -> tuple[str, JobRecord]:
     """Start a deployment run of ``settings`` (run name ``run``); once it submitted the training job
     recorded in ``marker`` (a path in its run folder), its flow run id and the job's record."""
-    proc, flow_run_id = start_deployment(deployment, settings)
+    proc, flow_run_id = start_deployment(deployment, settings, tags=tags)
     assert flow_run_id, f"no flow run created:\n{proc.stdout}\n{proc.stderr}"
     return flow_run_id, wait_submitted(tiny_setup, process_worker, run, flow_run_id, marker)
 

@@ -29,10 +29,12 @@ def iso(seconds: float) -> str:
 
 
 class FakeSystem:
-    """A fake Prefect API (/api/flow_runs/<id>) and production gateway (/health, /metrics)."""
+    """A fake Prefect API (/api/flow_runs/<id>, /api/flow_run_states/?flow_run_id=<id>) and production gateway
+    (/health, /metrics)."""
 
     def __init__(self) -> None:
         self.runs: dict[str, dict] = {}
+        self.states: dict[str, list[dict]] = {}  # a run's state history
         self.served: str | None = None
         fake = self
 
@@ -40,6 +42,8 @@ class FakeSystem:
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.startswith("/api/flow_runs/"):
                     body = fake.runs.get(self.path.rsplit("/", 1)[1])
+                elif self.path.startswith("/api/flow_run_states/?flow_run_id="):
+                    body = fake.states.get(self.path.rsplit("=", 1)[1], [])
                 elif self.path == "/health":
                     body = {"status": "ok", "snapshotIdentity": fake.served}
                 elif self.path == "/metrics":
@@ -324,9 +328,12 @@ def test_a_run_failed_without_a_fault_is_named(built: Built) -> None:
     built.fake.runs["fr-1"]["state"] = {"type": "FAILED", "name": "Failed", "message": "ValueError: boom"}
     built.fake.runs["fr-3"] = {"state": {"type": "RUNNING", "name": "Running"}, "start_time": iso(400)}
     lost = "No heartbeat for 90 s: the worker running this flow run was lost."
-    for rid, count in (("fr-4", 1), ("fr-5", 4)):  # a worker kill: retried on attempts 1..3, left Crashed after
-        built.fake.runs[rid] = {"state": {"type": "CRASHED", "name": "Crashed", "message": lost}, "run_count": count,
+    retry = {"name": "AwaitingRetry", "message": "posttrain recover: retry 1 of at most 3 without a person"}
+    for rid, retried in (("fr-4", 1), ("fr-5", 3)):  # a worker kill: retried 3 times, left Crashed after
+        built.fake.runs[rid] = {"state": {"type": "CRASHED", "name": "Crashed", "message": lost}, "run_count": 4,
                                 "start_time": iso(400), "end_time": iso(520)}
+        built.fake.states[rid] = [{"name": "Running"}, retry, {"name": "AwaitingRetry", "message": "by a person"},
+                                  *[retry] * (retried - 1), {"name": "Crashed", "message": lost}]
     built.rows["faults"].append({"kind": "worker_kill", "target": "worker", "started_at": iso(420),
                                  "ended_at": iso(421), "detail": "SIGKILL", "planned_at_s": 420, "injected": True})
     built.rows["runs"] += [{"flow_run_id": rid, "deployment": "grpo/grpo", "kind": "grpo", "night": 1,
@@ -338,7 +345,7 @@ def test_a_run_failed_without_a_fault_is_named(built: Built) -> None:
     assert len(found) == 3, found
     assert any("fr-1" in v and "no injected fault" in v for v in found), found
     assert any("fr-3" in v and "did not end" in v for v in found), found
-    assert any("fr-4" in v and "Crashed on attempt 1 and was not retried" in v for v in found), found
+    assert any("fr-4" in v and "Crashed after 1 retries without a person (the bound is 3)" in v for v in found), found
     assert any("fr-5" in n and "killed by worker_kill" in n for r in results for n in r.notes)
 
 

@@ -6,7 +6,7 @@ minimum). When the worker, or the login node it runs on, is lost, the heartbeats
 stays Running, and Prefect refuses to retry a Running run. This automation (Prefect's documented
 "zombie flow" recipe, limited to runs tagged ``posttrain``) marks such a run Crashed once no
 heartbeat or final state has come for ``timeout`` seconds after its last heartbeat. From Crashed,
-the automation of ``crash_retries.py`` retries it without a person (a bounded number of times),
+``posttrain recover`` (``recovery.py``) retries it without a person (a bounded number of times),
 as ``prefect flow-run retry`` and the UI's Retry do, and the retried run finds its job on the
 cluster (still running, or finished) instead of submitting another.
 """

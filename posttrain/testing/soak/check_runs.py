@@ -9,12 +9,12 @@ its end, ``GRACE_S`` either side) and the state's message names that fault's kin
 words (``FATAL``). The kinds that may end a run, and why:
 
 - ``worker_kill``: its flow-run process dies with the worker; Prefect marks it Crashed and the
-  retry automation retries it a bounded number of times (``--crash-retries``, 3 by default): a
-  run killed more often than that stays Crashed (its message: the process exited, or a lost
-  heartbeat). A run Crashed on an attempt the automation retries (run count 1..N) has not
-  ended: it is a violation whatever its message (recovery without a person did not happen, or
-  not before the soak gave up waiting). A run Crashed before it ever ran (run count 0) is not
-  retried, by design (docs/recovery.md): any fault kind below may end it so.
+  sweeper (``posttrain recover``) retries it a bounded number of times (``--retries``, 3 by
+  default; a run stuck Pending is set Crashed first): a run killed more often than that stays
+  Crashed (its message: the process exited, or a lost heartbeat). A run Crashed with fewer
+  sweeper retries in its state history (AwaitingRetry states whose message is the sweeper's) has
+  not ended: it is a violation whatever its message (recovery without a person did not happen,
+  or not before the soak gave up waiting).
 - ``trainer_kill``: a training job killed with SIGKILL ends failed; a resident or nightly job is
   submitted again once, but a kill that takes the resubmitted job too fails the run (its message
   names the job's end: exit status, signal).
@@ -39,7 +39,8 @@ from posttrain.testing.soak.check_context import Context
 from posttrain.testing.soak.check_model import CheckResult, finite, parse_time
 
 GRACE_S = 30.0
-CRASH_RETRIES = 3  # posttrain prefect-setup's default --crash-retries (soak.json "crash_retries" overrides it)
+CRASH_RETRIES = 3  # posttrain recover's default --retries (soak.json "crash_retries" overrides it)
+SWEEPER_MARK = "posttrain recover:"  # how the sweeper's AwaitingRetry messages begin
 TERMINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
 CRASH_WORDS = ("crash", "exited", "infrastructure", "heartbeat", "killed", "sigkill", "signal 9", "-9")
 FATAL: dict[str, tuple[str, ...]] = {
@@ -93,11 +94,16 @@ def check_runs(ctx: Context) -> CheckResult:
             res.bad(f"{what} did not end: {state.get('name') or kind} after the soak")
             continue
         retries = ctx.soak.meta.get("crash_retries", CRASH_RETRIES)
-        count = fr.get("run_count")
-        if kind == "CRASHED" and finite(count, retries) and 1 <= count <= retries:
-            res.bad(f"{what} is Crashed on attempt {count} and was not retried (the retry automation retries "
-                    f"attempts 1..{retries}): recovery without a person did not happen. {message[:200]!r}")
-            continue
+        if kind == "CRASHED":
+            try:
+                retried = sweeper_retries(api, str(rid))
+            except (OSError, ValueError) as e:
+                res.bad(f"{what}: its state history cannot be read from {api} ({e})")
+                continue
+            if finite(retried, retries) and retried < retries:
+                res.bad(f"{what} is Crashed after {retried} retries without a person (the bound is {retries}): "
+                        f"recovery without a person did not happen. {message[:200]!r}")
+                continue
         start = parse_time(fr.get("start_time")) or parse_time(run.get("started_at"))
         end = parse_time(fr.get("end_time")) or parse_time(state.get("timestamp"))
         excuse = fatal_fault(faults, start, end, message)
@@ -107,6 +113,16 @@ def check_runs(ctx: Context) -> CheckResult:
         else:
             res.notes.append(f"{what} ended {state.get('name') or kind}, killed by {excuse}: {message[:200]!r}")
     return res
+
+
+def sweeper_retries(api: str, flow_run_id: str, timeout: float = 15.0) -> int:
+    """How many times the sweeper (``posttrain recover``) retried the run: the AwaitingRetry states of its
+    history whose message is the sweeper's."""
+    url = f"{api.rstrip('/')}/flow_run_states/?flow_run_id={flow_run_id}"
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310
+        states = json.loads(r.read())
+    return sum(1 for s in states if s.get("name") == "AwaitingRetry"
+               and (s.get("message") or "").startswith(SWEEPER_MARK))
 
 
 def fatal_fault(faults: list[dict], start: float | None, end: float | None, message: str) -> str | None:

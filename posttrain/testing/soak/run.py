@@ -17,7 +17,15 @@ from posttrain.testing.soak.faults import Injector
 from posttrain.testing.soak.operator import MAX_STALENESS, Nights, Operator, wait_all_final
 from posttrain.testing.soak.record import Recorder, now
 from posttrain.testing.soak.schedule import Plan
-from posttrain.testing.soak.system import MODEL_NAME, PREFIX, REGION, System, prefect_healthy, service_script
+from posttrain.testing.soak.system import (
+    CRASH_RETRIES,
+    MODEL_NAME,
+    PREFIX,
+    REGION,
+    System,
+    prefect_healthy,
+    service_script,
+)
 
 LOCK = Path("/tmp/posttrain-soak.lock")  # one soak at a time on a machine: each restarts the shared services
 QUIESCE_S = 15.0  # after the drain: the client keeps asking while hot-loads and probes settle
@@ -34,7 +42,7 @@ class Soak:
                            "max_staleness": MAX_STALENESS, "work_pool": self.system.name,
                            "gateway_token_env": TOKEN_ENV, "served_model_name": MODEL_NAME,
                            "nights": plan.nights, "night_s": plan.night_s, "unfinished_runs": [],
-                           "crashed_settle_s": args.crashed_settle_s}
+                           "crashed_settle_s": args.crashed_settle_s, "crash_retries": CRASH_RETRIES}
 
     def _write_meta(self) -> None:
         s = self.system

@@ -29,6 +29,8 @@ SERVICES = REPO / "scripts" / "services"
 MODEL_NAME = "tiny"
 PREFIX = "chains"
 REGION = "us-east-1"
+CRASH_RETRIES = 3  # posttrain recover's default: soak.json says it to the checker
+PENDING_TIMEOUT_S = 120  # a run Pending this long is set Crashed by the sweeper (its default is 600 s)
 # length_reward varies with the completion (the tiny model is never correct): every step changes the weights,
 # so that replies of different snapshots can be told apart
 REWARDS = ["posttrain.rewards:correctness_reward", "posttrain.rewards:length_reward"]
@@ -100,6 +102,7 @@ class System:
     spool: dict = field(default_factory=dict)
     store: StoreFront | None = None
     worker: Supervised | None = None
+    recover: Supervised | None = None
     bucket: str = ""
 
     @property
@@ -159,6 +162,13 @@ class System:
                                  env={**self.env(), "PREFECT_WORKER_QUERY_SECONDS": "2"}, cwd=REPO,
                                  on_event=self.rec.log)
         self.worker.start()
+        # beside the worker, as a site runs it (docs/recovery.md): retries the soak's Crashed runs, and
+        # sets Crashed the ones stuck Pending
+        self.recover = Supervised("recover", [sys.executable, "-m", "posttrain", "recover", "--tag", self.name,
+                                              "--retries", str(CRASH_RETRIES), "--every", "5",
+                                              "--pending-timeout", str(PENDING_TIMEOUT_S)],
+                                  self.rec.logs / "recover.log", env=self.env(), cwd=REPO, on_event=self.rec.log)
+        self.recover.start()
 
     def _mount_spool(self) -> None:
         """The runs' folders (where each publisher spools: <run>/publish) on a tmpfs of ``spool_mib``, so
@@ -253,7 +263,7 @@ class System:
                         "shared_dir": str(self.shared)},
             "rollback": {"production": self.gateways["production"].block, "store": run_settings["store"]},
         }
-        deployments = [{"name": f"{self.name}-{kind}", "entrypoint": entry, "tags": ["posttrain", "soak", kind],
+        deployments = [{"name": f"{self.name}-{kind}", "entrypoint": entry, "tags": ["posttrain", "soak", kind, self.name],
                         "enforce_parameter_schema": True, "parameters": params[kind], "work_pool": pool,
                         **({"concurrency_limit": {"limit": 1, "collision_strategy": "ENQUEUE"}}
                            if kind != "rollback" else {})}
@@ -290,7 +300,7 @@ class System:
         return out
 
     def stop(self) -> None:
-        for proc in [self.worker, *(gw.process for gw in self.gateways.values())]:
+        for proc in [self.recover, self.worker, *(gw.process for gw in self.gateways.values())]:
             if proc is not None:
                 proc.stop()
         if self.store is not None:
