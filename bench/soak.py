@@ -48,9 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-s", type=float, default=900.0,
                    help="after --minutes: how long to wait for every started run to end (default 900)")
     p.add_argument("--crashed-settle-s", type=float, default=120.0,
-                   help="the drain counts a Crashed run as ended once it has stayed Crashed this long (the retry "
-                   "automation reschedules one at once; after a Prefect server restart, Prefect may hold that "
-                   "retry up to 15 minutes: 1000 waits for it) (default 120)")
+                   help="the drain counts a Crashed run as ended once it has stayed Crashed this long (posttrain "
+                   "recover, beside the worker, retries one within 5 s until its bound) (default 120)")
     p.add_argument("--spool-mib", type=int, default=256,
                    help="size of the tmpfs holding the runs' folders, which spool_full fills (default 256)")
     p.add_argument("--client-interval-s", type=float, default=0.5,
