@@ -1,25 +1,28 @@
 """The chaos soak (issue 35): the whole system on this machine, left alone under faults.
 
-    bench/soak.py --minutes 3 --seed 1 [--backend local] [--out DIR] [--dry-run]
+    bench/soak.py --minutes 3 --seed 1 [--backend local] [--out DIR] [--services own|shared] [--dry-run]
 
-It uses the services the test command starts (Prefect on PostgreSQL at $PREFECT_API_URL, SeaweedFS at
-$POSTTRAIN_S3_ENDPOINT; set -a; . /tmp/posttrain-services.env or scripts/test.sh's environment) and
-starts what is its own: a fault proxy in front of SeaweedFS, a tmpfs for the runs' folders, three
-``posttrain serve`` gateways (production, staging, rollouts), blocks, a work pool and deployments named
-soak-<seed>-..., and a process worker, each under a restart loop. Then compressed nights (a nightly
-run promoting to production and a GRPO run with max_staleness 1 each night, gc at each night's end),
-an operator rolling back and promoting at seeded times, a client sending greedy completions to
-production all along, and the faults of a seeded schedule (printed at the start; --dry-run prints
-it and exits). At the end it stops starting runs, waits for every run to end, stops what it started
-(it leaves the services running, starting again any a fault left stopped) and writes the soak
-folder that ``bench/soak_check.py`` reads (the contract: posttrain/testing/soak/__init__.py).
-Exit status 0 when the soak ran to its end (violations are the checker's to find), 1 when it could
-not be set up, 2 for bad options.
+It starts a PostgreSQL and a Prefect server of its own on free ports (``--services own``, the
+default; ``shared`` uses the ones at $PREFECT_API_URL) and uses SeaweedFS at $POSTTRAIN_S3_ENDPOINT
+(set -a; . /tmp/posttrain-services.env, or scripts/test.sh's environment). It starts what is its
+own: a fault proxy in front of SeaweedFS, a tmpfs for the runs' folders, three ``posttrain serve``
+gateways (production, staging, rollouts), blocks, a work pool and deployments named
+soak-<seed>-..., a process worker and ``posttrain recover`` beside it, each under a restart loop.
+Then compressed nights (a nightly run promoting to production and a GRPO run with max_staleness 1
+each night, gc at each night's end), an operator rolling back and promoting at seeded times, a
+client sending greedy completions to production all along, and the faults of a seeded schedule
+(printed at the start; --dry-run prints it and exits). At the end it stops starting runs, waits
+for every run to end, stops what it started, writes the soak folder that ``bench/soak_check.py``
+reads (the contract: posttrain/testing/soak/__init__.py), runs that checker on it while the
+system still runs (its table in check.txt; ``--no-check`` skips it), then stops its own services.
+Exit status 0 when the soak ran to its end and the checker found no violation, 4 when it found
+some, 1 when the soak could not be set up, 2 for bad options.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -39,8 +42,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how long runs are started and faults injected; the drain after it is extra")
     p.add_argument("--seed", type=int, required=True, help="seeds the fault schedule and the operator's times")
     p.add_argument("--backend", choices=["local", "slurm"], default="local",
-                   help="where training runs: local processes (default) or the test Slurm cluster (not yet: "
-                   "refused)")
+                   help="where training runs: local processes (default), or jobs on the test Slurm cluster "
+                   "(scripts/services/start-slurm.sh; one node a job, the soak's folder as shared storage)")
     p.add_argument("--out", type=Path, help="the soak folder (default /tmp/posttrain-soak/seed-<S>-<UTC time>)")
     p.add_argument("--night-s", type=float, default=90.0,
                    help="seconds of one compressed night: a nightly and a GRPO run start at its beginning, gc "
@@ -54,18 +57,35 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="size of the tmpfs holding the runs' folders, which spool_full fills (default 256)")
     p.add_argument("--client-interval-s", type=float, default=0.5,
                    help="seconds between the client's completions requests to production (default 0.5)")
+    p.add_argument("--services", choices=["own", "shared"], default="own",
+                   help="own (default): a PostgreSQL and a Prefect server of the soak's own, on free ports, started "
+                   "and stopped by it, so that its restart faults meet no one else; shared: the ones at "
+                   "$PREFECT_API_URL (the test command's), restarted under whatever else uses them")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="do not run the checker (bench/soak_check.py) at the end; by default it runs on the folder "
+                   "while the system still runs, and a violation makes the exit status 4")
+    p.add_argument("--no-faults", action="store_true",
+                   help="inject nothing (the same nights, operator and client): the fault-free baseline that "
+                   "goodput under faults is compared with")
     p.add_argument("--dry-run", action="store_true", help="print the schedule (faults, operator, nights) and exit")
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.night_s <= 10 or args.drain_s < 0 or args.spool_mib < 16:
         p.error("--minutes > 0, --night-s > 10, --drain-s >= 0, --spool-mib >= 16")
-    if args.backend == "slurm":
-        p.error("--backend slurm is not implemented yet: the soak trains with local processes")
+    if args.backend == "slurm" and not args.dry_run:
+        import shutil
+        import subprocess
+
+        ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+        if not ok:
+            p.error("--backend slurm: no Slurm cluster answers sinfo (start it: scripts/services/start-slurm.sh)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     the_plan = plan(args.seed, args.minutes, args.night_s)
+    if args.no_faults:  # the baseline of goodput: the same nights and operator, nothing injected
+        the_plan = dataclasses.replace(the_plan, faults=[])
     print(the_plan.describe(), flush=True)
     if args.dry_run:
         for fault in the_plan.faults:

@@ -210,6 +210,7 @@ if slurm_path; then  # no Kubernetes: the command the line suggests, as printed 
   say "ok: deployed with the suggested command: $suggested"
 fi
 PREFECT_WORKER_QUERY_SECONDS=1 background "$DIR/worker.log" "$PY" -m prefect worker start --pool posttrain-process
+background "$DIR/recover.log" "$PY" -m posttrain recover  # beside the worker, as the page says
 for _ in $(seq 120); do grep -q "started" "$DIR/worker.log" && break; sleep 0.5; done
 grep -q "started" "$DIR/worker.log" || fail "the worker did not start: $(tail -5 "$DIR/worker.log")"
 for _ in $(seq 120); do curl -fsS -o /dev/null -H "Authorization: Bearer $SITE_GATEWAY_TOKEN" "http://127.0.0.1:$GW_PORT/health" && break; sleep 0.5; done

@@ -11,8 +11,8 @@ a group, run one after another in one worker:
   beside it. The cluster's two nodes have room for a job of each group at once (a CPU each per
   node); within a group, tests that assert how fast a cancel or requeue acts never share the nodes;
 Every other module is a group of its own (its module fixtures start once), run by whichever worker
-is free: orchestration and slurm are handed out first, then the modules with ``slow`` tests, then the
-rest (the test command keeps this order: ``--no-loadscope-reorder``; xdist would order the groups by
+is free: orchestration and slurm are handed out first, then the short soak, then the modules with
+``slow`` tests, then the rest (the test command keeps this order: ``--no-loadscope-reorder``; xdist would order the groups by
 their number of tests, and the longest could start last). A module marked ``prefect_own_blocks`` uses
 the suite's Prefect server with blocks of its own only, beside the orchestration group.
 """
@@ -52,6 +52,7 @@ ORCHESTRATION = "orchestration"
 # The Slurm cluster: the tests that use it without the Prefect server, one after another.
 SLURM_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes"}
 SLURM = "slurm"
+SOAK = "tests/soak/test_short_soak.py"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -88,6 +89,7 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
     slow = {groups[id(i)] for i in items if i.get_closest_marker("slow")}
-    first = {ORCHESTRATION: 0, SLURM: 1}
+    # the short soak (7 min, alone in its module) right after slurm: the longest of the rest starts early
+    first = {ORCHESTRATION: 0, SLURM: 1, SOAK: 1.5}
     # stable: collection order within each part
     items.sort(key=lambda i: first.get(groups[id(i)], 2 if groups[id(i)] in slow else 3))

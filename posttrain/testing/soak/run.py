@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -17,6 +19,7 @@ from posttrain.testing.soak.faults import Injector
 from posttrain.testing.soak.operator import MAX_STALENESS, Nights, Operator, wait_all_final
 from posttrain.testing.soak.record import Recorder, now
 from posttrain.testing.soak.schedule import Plan
+from posttrain.testing.soak.services import OwnServices
 from posttrain.testing.soak.system import (
     CRASH_RETRIES,
     MODEL_NAME,
@@ -37,7 +40,10 @@ class Soak:
         self.rec = Recorder(out)
         self.system = System(seed=args.seed, root=out / "work", rec=self.rec, backend=args.backend,
                              spool_mib=args.spool_mib)
-        self.meta: dict = {"seed": args.seed, "minutes": args.minutes, "backend": args.backend, "started_at": now(),
+        self.own = OwnServices() if args.services == "own" else None
+        self.checked: int | None = None  # the checker's exit status, with --check
+        self.meta: dict = {"seed": args.seed, "services": args.services, "faults_injected": bool(plan.faults),
+                           "minutes": args.minutes, "backend": args.backend, "started_at": now(),
                            "ended_at": None, "prefect_api_url": os.environ.get("PREFECT_API_URL"),
                            "max_staleness": MAX_STALENESS, "work_pool": self.system.name,
                            "gateway_token_env": TOKEN_ENV, "served_model_name": MODEL_NAME,
@@ -80,10 +86,15 @@ class Soak:
         (self.rec.logs / "plan.txt").write_text(self.plan.describe() + "\n")
         self._write_meta()
         try:
+            if self.own is not None:
+                self.own.start(self.rec.log)
+                self.meta["prefect_api_url"] = os.environ["PREFECT_API_URL"]
             self.system.start()
         except BaseException as e:  # noqa: BLE001 - whatever failed, stop what started, and say why
             self.rec.log(f"setup failed:\n{traceback.format_exc()}")
             self._teardown()
+            if self.own is not None:
+                self.own.stop(self.rec.log)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
         self._write_meta()
         self.rec.log(f"set up in {time.monotonic() - t_start:.0f} s; the soak begins")
@@ -125,8 +136,24 @@ class Soak:
                                 "gateway_starts": {r: g.process.starts for r, g in self.system.gateways.items()}}
         self._write_meta()
         self.rec.log(f"soak done: {self.meta['summary']}; folder {self.out}")
+        if self.args.check and not self.meta.get("interrupted"):
+            self.checked = self._check()
+        if self.own is not None:
+            self.own.stop(self.rec.log)
         self.rec.close()
-        return 130 if self.meta.get("interrupted") else 0
+        if self.meta.get("interrupted"):
+            return 130
+        return 4 if self.checked else 0
+
+    def _check(self) -> int:
+        """bench/soak_check.py on the folder, while the system it asks (Prefect, the store) still runs: its
+        table and violations go to the log and to check.txt; its exit status (1: violations)."""
+        script = Path(__file__).resolve().parents[3] / "bench" / "soak_check.py"
+        done = subprocess.run([sys.executable, str(script), str(self.out), "--json", str(self.out / "check.json")],
+                              capture_output=True, text=True, timeout=1800)
+        (self.out / "check.txt").write_text(done.stdout + done.stderr)
+        self.rec.log(f"checker: exit status {done.returncode}\n{done.stdout}{done.stderr[-3000:]}")
+        return done.returncode
 
     def _services_back(self) -> None:
         """The suite's services as they were: a fault may have left one stopped (the restart scripts

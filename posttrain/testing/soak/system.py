@@ -218,12 +218,32 @@ class System:
             raise RuntimeError(f"posttrain serve ({role}) did not answer /health: see {gw.process.log}")
         self.gateways[role] = gw
 
+    def cluster(self, kind: str) -> str:
+        """The cluster block a run of ``kind`` trains on."""
+        if self.backend == "slurm":
+            return f"posttrain-slurm-cluster/{self.name}-{kind}"
+        return f"posttrain-local-cluster/{self.name}"
+
+    def _slurm_settings(self) -> dict:
+        """The test Slurm cluster (scripts/services/start-slurm.sh), one node a job, CPU: the soak's folder is
+        its shared storage (the nodes are this machine), its jobs folder the job root, as the local
+        cluster's, so that trainer_kill finds the trainers the same way."""
+        venv_bin = str(Path(sys.executable).parent)
+        env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PATH": f"{venv_bin}:/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+        return {"shared_dir": str(self.root), "job_root": str(self.jobs), "python": sys.executable, "nodes": 1,
+                "gpus_per_node": 0, "memory": "1G", "exclusive": False, "time_limit": "60", "launcher": "python",
+                "poll_interval_s": 1, "env": env}
+
     def _blocks(self) -> None:
         """The soak's blocks as a site saves them: ``posttrain blocks save --from`` a file, secrets by name."""
         blocks = {f"posttrain-object-store/{self.name}": {
                       "uri": f"s3://{self.bucket}/{PREFIX}", "endpoint_url": self.store.url, "region": REGION,
                       "access_key_id": {"env": ACCESS_KEY_ENV}, "secret_access_key": {"env": SECRET_KEY_ENV}},
                   f"posttrain-local-cluster/{self.name}": {"settings": {"folder": str(self.jobs)}}}
+        if self.backend == "slurm":  # a block per kind: their jobs may run at once
+            for kind in ("nightly", "grpo"):
+                blocks[f"posttrain-slurm-cluster/{self.name}-{kind}"] = {"settings": self._slurm_settings()}
         for gw in self.gateways.values():
             blocks[gw.block] = {"api_url": gw.url, "gateway_url": gw.url, "deployment_id": gw.deployment_id,
                                 "model": MODEL_NAME, "token": {"env": TOKEN_ENV}, "timeout_s": 600,
@@ -250,14 +270,15 @@ class System:
             raise RuntimeError(f"posttrain prefect-setup failed: {setup.stdout}{setup.stderr}"[-2000:])
         self._cli([*prefect, "work-pool", "create", self.name, "--type", "process"])
         run_settings = {"base_model": str(self.base_model), "dataset": str(self.dataset),
-                        "shared_dir": str(self.shared), "cluster": f"posttrain-local-cluster/{self.name}",
+                        "shared_dir": str(self.shared), "cluster": self.cluster("nightly"),
                         "store": f"posttrain-object-store/{self.name}"}
         pool = {"name": self.name, "job_variables": {"env": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                                                              "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}}}
         params = {
             "nightly": {**run_settings, "run_name": f"{self.name}-nightly", "inference": self.gateways["staging"].block,
                         "reward_funcs": REWARDS},
-            "grpo": {**run_settings, "run_name": f"{self.name}-grpo", "inference": self.gateways["rollouts"].block},
+            "grpo": {**run_settings, "run_name": f"{self.name}-grpo", "inference": self.gateways["rollouts"].block,
+                     "cluster": self.cluster("grpo")},
             "promote": {"production": self.gateways["production"].block, "staging": self.gateways["staging"].block,
                         "store": run_settings["store"], "tokenizer": str(self.base_model),
                         "shared_dir": str(self.shared)},
