@@ -349,6 +349,34 @@ def test_a_run_failed_without_a_fault_is_named(built: Built) -> None:
     assert any("fr-5" in n and "killed by worker_kill" in n for r in results for n in r.notes)
 
 
+def test_a_promotion_lost_to_another_operation_passes_only_when_that_operation_was_there(built: Built) -> None:
+    held = ("OperationLost: deployment prod is held by promotion nightly-abcdef12-3456-7890-abcd-ef1234567890 "
+            "(pid 1 on vm) until 2026-12-03T19:09:39Z (82s); nothing was changed")
+    rolled = "OperationLost: deployment prod is held by rollback (pid 2 on vm) until 2026-12-03T19:33:00Z (9s)"
+    runs = {"fr-6": held, "fr-7": held.replace("abcdef12", "99999999"), "fr-8": rolled}
+    for rid, message in runs.items():
+        built.fake.runs[rid] = {"state": {"type": "FAILED", "name": "Failed", "message": message},
+                                "start_time": iso(700), "end_time": iso(760)}
+    built.fake.runs["fr-7"].update(start_time=iso(1500), end_time=iso(1560))
+    built.rows["runs"] += [{"flow_run_id": rid, "deployment": "nightly-post-training/nightly", "kind": "nightly",
+                            "night": 2, "started_at": iso(1500 if rid == "fr-7" else 700)} for rid in runs]
+    # fr-6 lost to a run of the soak (its name holds the run's id); fr-7's holder is no run of the soak, and no
+    # operator action overlapped it (the nightly runs of the rows start long before); fr-8 met an operator rollback
+    built.rows["runs"].append({"flow_run_id": "abcdef12-3456-7890-abcd-ef1234567890", "deployment": "promote/promote",
+                               "kind": "promote", "night": 2, "started_at": iso(100)})
+    built.fake.runs["abcdef12-3456-7890-abcd-ef1234567890"] = {"state": {"type": "COMPLETED", "name": "Completed"}}
+    built.rows["operator"].append({"at": iso(730), "action": "rollback", "rc": 0, "flow_run_id": None})  # fr-8's
+    built.write("runs")
+    built.write("operator")
+    results = built.check("runs")
+    found = violations(results, "runs")
+    assert not any("fr-6" in v or "fr-8" in v for v in found), found
+    assert any("fr-7" in v for v in found), found
+    notes = [n for r in results for n in r.notes]
+    assert any("fr-6" in n and "concurrent promotion" in n for n in notes), notes
+    assert any("fr-8" in n and "concurrent operation" in n for n in notes), notes
+
+
 def test_a_leftover_lease_is_named(built: Built) -> None:
     lease = {"holder": "publisher", "host": "h", "pid": 1, "expires_at": 1.0, "run": None, "pending": None}
     built.put(".posttrain/runs/night-1/leases/publish-0123.json", json.dumps(lease).encode())

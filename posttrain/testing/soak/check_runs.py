@@ -24,6 +24,10 @@ words (``FATAL``). The kinds that may end a run, and why:
 - ``spool_full``: a full spool fails the publish step (ENOSPC, "No space left on device").
 - ``serve_kill``: a hot-load into a deployment whose server is down fails once its retries are
   spent (its message names the hot-load or the deployment).
+- not a fault: a promotion or rollback that meets another on production (the operator's, a nightly's
+  ``promote_to``) loses at once and changes nothing (``OperationLost``: "is held by ...", or "its
+  champion changed ..."), by design (one writer per deployment, docs/promotion.md). Such a run
+  passes when another run or an operator action overlapped it (``lost_to``), and is counted in the notes.
 - ``prefect_restart`` and ``postgres_restart``: the flow run cannot report its state while the API
   or its database is down; the run may end Crashed (its message names the API, the server or the
   database, or a lost heartbeat).
@@ -32,6 +36,7 @@ words (``FATAL``). The kinds that may end a run, and why:
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -106,7 +111,7 @@ def check_runs(ctx: Context) -> CheckResult:
                 continue
         start = parse_time(fr.get("start_time")) or parse_time(run.get("started_at"))
         end = parse_time(fr.get("end_time")) or parse_time(state.get("timestamp"))
-        excuse = fatal_fault(faults, start, end, message)
+        excuse = fatal_fault(faults, start, end, message) or lost_to(ctx, rid, start, end, message)
         if excuse is None:
             res.bad(f"{what} ended {state.get('name') or kind} with no injected fault that its message names: "
                     f"{message[:300]!r}")
@@ -123,6 +128,33 @@ def sweeper_retries(api: str, flow_run_id: str, timeout: float = 15.0) -> int:
         states = json.loads(r.read())
     return sum(1 for s in states if s.get("name") == "AwaitingRetry"
                and (s.get("message") or "").startswith(SWEEPER_MARK))
+
+
+LOST = ("is held by", "champion changed")  # OperationLost: the promoter's own words
+
+
+def lost_to(ctx: Context, flow_run_id: object, start: float | None, end: float | None, message: str) -> str | None:
+    """A promotion (a nightly's ``promote_to``, an operator's promote) or rollback that lost production to
+    another operation on it: ``OperationLost`` naming the holder or the changed champion, while an
+    operator action or another run overlapped. One writer per deployment is the design
+    (docs/promotion.md): the loser changes nothing and fails, naming who held it."""
+    if "OperationLost" not in message or not any(w in message for w in LOST):
+        return None
+    holder = re.search(r"is held by promotion \S*?([0-9a-f]{8})-[0-9a-f-]+ ", message)
+    if holder:  # the promotion holding it is one of the soak's runs (its run name ends in the flow run's id)
+        for r in ctx.soak.records["runs"] + ctx.soak.records["operator"]:
+            if str(r.get("flow_run_id") or "").startswith(holder.group(1)) and r.get("flow_run_id") != flow_run_id:
+                return f"a concurrent promotion on production (run {r.get('flow_run_id')}; one writer per deployment)"
+    others = [(r.get("started_at"), r.get("flow_run_id"), f"{r.get('kind')} run") for r in ctx.soak.records["runs"]
+              if r.get("kind") != "grpo"]  # a GRPO run hot-loads its own deployment, never production
+    others += [(a.get("at"), a.get("flow_run_id"), f"operator {a.get('action')}") for a in ctx.soak.records["operator"]
+               if a.get("action") in ("rollback", "promote")]
+    for at, other_id, what in others:
+        t = parse_time(at)
+        if other_id != flow_run_id and t is not None and (start is None or t >= start - GRACE_S) \
+                and (end is None or t <= end + GRACE_S):
+            return f"a concurrent operation on production ({what} at {at}; one writer per deployment)"
+    return None
 
 
 def fatal_fault(faults: list[dict], start: float | None, end: float | None, message: str) -> str | None:
