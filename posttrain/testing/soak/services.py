@@ -43,8 +43,8 @@ class OwnServices:
         self.prefect_port, self.postgres_port = free_port(), free_port()
         self.env = {
             "PREFECT_PORT": str(self.prefect_port), "PREFECT_API_URL": f"http://127.0.0.1:{self.prefect_port}/api",
-            "POSTTRAIN_PREFECT_DIR": str(root / "prefect"), "POSTTRAIN_PREFECT_DB": "postgres", "PREFECT_UI": "0",
-            "POSTGRES_PORT": str(self.postgres_port), "POSTTRAIN_POSTGRES_DIR": str(root / "postgres"),
+            "POSTTRAIN_PREFECT_DIR": str(self.root / "prefect"), "POSTTRAIN_PREFECT_DB": "postgres", "PREFECT_UI": "0",
+            "POSTGRES_PORT": str(self.postgres_port), "POSTTRAIN_POSTGRES_DIR": str(self.root / "postgres"),
             "POSTGRES_FSYNC": "off",  # throwaway data
         }
 
