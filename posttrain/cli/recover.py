@@ -12,9 +12,12 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    from posttrain.pipeline.deployments.recovery import DEFAULT_RETRIES, MAX_RETRIES, TAG
+# posttrain.pipeline.deployments.recovery's defaults, written here: parsing must not import pydantic
+# (tests/chain/test_cli.py); tests/pipeline/test_recover.py checks they agree
+DEFAULT_RETRIES, MAX_RETRIES, TAG = 3, 20, "posttrain"
 
+
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recover", help="retry Crashed posttrain flow runs without a person, a bounded number of "
                        "times (run it beside the worker, under a supervisor)")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, metavar="N",

@@ -36,6 +36,13 @@ def test_the_settings_are_checked_before_anything_is_swept():
             RecoveryConfig(**bad)
 
 
+def test_the_commands_defaults_are_the_sweepers():
+    from posttrain.cli import recover as cli
+
+    assert (cli.DEFAULT_RETRIES, cli.MAX_RETRIES, cli.TAG) == (recovery.DEFAULT_RETRIES, recovery.MAX_RETRIES,
+                                                               recovery.TAG)
+
+
 def test_recover_refuses_a_bad_flag_naming_it():
     out = subprocess.run([sys.executable, "-m", "posttrain", "recover", "--retries", "21"], capture_output=True,
                          text=True, timeout=60)
