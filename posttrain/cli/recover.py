@@ -39,6 +39,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
+    from posttrain import redact
     from posttrain.cli import UsageError
     from posttrain.pipeline.deployments.recovery import RecoveryConfig, run
 
@@ -53,10 +54,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
     print(f"posttrain recover: runs tagged {cfg.tag}; at most {cfg.retries} retries per run; Pending for "
           f"{cfg.pending_timeout_s:.0f} s is Crashed; a sweep every {cfg.every_s:.0f} s", flush=True)
     try:
-        asyncio.run(run(cfg, once=args.once, say=lambda line: print(line, flush=True)))
+        # what it prints quotes the API's errors and the runs' crash messages: scrubbed of credentials
+        asyncio.run(run(cfg, once=args.once, say=lambda line: print(redact.scrub(line), flush=True)))
     except KeyboardInterrupt:
         return 0
     except Exception as e:  # noqa: BLE001 - only --once gets here: the API could not be swept
-        print(f"posttrain recover: the sweep failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        print(redact.scrub(f"posttrain recover: the sweep failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"))
         return 1
     return 0

@@ -49,6 +49,27 @@ def test_recover_refuses_a_bad_flag_naming_it():
     assert out.returncode == 2 and "--retries 21" in out.stderr and "less than or equal to 20" in out.stderr
 
 
+def test_recover_once_against_no_server_is_one_line_without_the_password():
+    env = {**os.environ, "PREFECT_API_URL": "http://ops:s3cret-pw@127.0.0.1:9/api"}
+    out = subprocess.run([sys.executable, "-m", "posttrain", "recover", "--once"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 1, out
+    assert "the sweep failed" in out.stdout and "s3cret-pw" not in out.stdout + out.stderr, out
+
+
+def test_setup_deletes_the_retry_automation_an_earlier_version_installed(prefect_api):
+    from prefect.automations import Automation
+    from prefect.events.actions import DoNothing
+    from prefect.events.schemas.automations import EventTrigger
+
+    Automation(name=recovery.OLD_AUTOMATION, trigger=EventTrigger(expect={"prefect.flow-run.Crashed"}),
+               actions=[DoNothing()]).create()
+    assert recovery.delete_old_automation() is True
+    assert recovery.delete_old_automation() is False  # gone: nothing left to delete
+    with pytest.raises(ValueError):
+        Automation.read(name=recovery.OLD_AUTOMATION)
+
+
 async def _deployment(client) -> str:
     from prefect.flows import Flow
 

@@ -204,3 +204,21 @@ def test_a_background_actor_waits_for_its_time_unless_stopped():
     assert actor._until(0.2) is False and time.monotonic() - t >= 0.19
     actor.stopping.set()
     assert actor._until(3600) is True  # at once
+
+
+def test_the_slurm_backend_trains_each_kind_on_a_valid_block_of_its_own(tmp_path):
+    """--backend slurm (not run end to end in the suite): each kind's cluster block is a SlurmConfig that
+    validates, whose shared storage holds the soak's folder and whose job root is the one trainer_kill
+    searches; the local backend keeps one local cluster."""
+    from posttrain.cluster import SlurmConfig
+    from posttrain.testing.soak.record import Recorder
+    from posttrain.testing.soak.system import System
+
+    slurm = System(seed=1, root=tmp_path / "work", rec=Recorder(tmp_path / "out"), backend="slurm")
+    assert slurm.cluster("nightly") != slurm.cluster("grpo")  # their jobs may run at once
+    assert all(slurm.cluster(k).startswith("posttrain-slurm-cluster/") for k in ("nightly", "grpo"))
+    config = SlurmConfig(**slurm._slurm_settings())
+    assert config.shared_dir == str(slurm.root) and config.job_root == str(slurm.jobs)
+    assert config.nodes == 1 and config.gpus_per_node == 0 and config.launcher == "python"
+    local = System(seed=1, root=tmp_path / "work2", rec=Recorder(tmp_path / "out2"))
+    assert local.cluster("nightly") == local.cluster("grpo") == f"posttrain-local-cluster/{local.name}"

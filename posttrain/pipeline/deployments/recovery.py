@@ -31,7 +31,6 @@ count, kept by Prefect and not by this process, so a restarted sweeper knows it.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -39,7 +38,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-log = logging.getLogger(__name__)
 
 RETRY_MARK = "posttrain recover:"
 # the automation an earlier posttrain installed instead; prefect-setup deletes it, and its retries count
