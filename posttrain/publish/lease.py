@@ -6,11 +6,14 @@ claims only stop two snapshots of one step). So each run gets leases in the stor
 ledger, like a readers-writer lock:
 
     .posttrain/runs/<run>/leases/publish-<id>.json   one per work folder, shared: a publish step
-    .posttrain/runs/<run>/leases/gc.json             exclusive: gc deleting the run's snapshots
+    .posttrain/gc-leases/<run>.json                  exclusive: gc deleting the run's snapshots
+
+gc's leases share one folder of their own so that promotion and rollback, which wait for any gc,
+list only them, not every run's ledger (a listing that grew with the store; bench/growth.py store).
 
 A publisher writes its lease (``<id>``: a digest of host and work folder, so a restarted
 publisher replaces what its crashed predecessor left), *then* looks for a live gc lease, and
-waits while there is one. gc creates ``gc.json`` (``posttrain.storage.lease.StoreLease``:
+waits while there is one. gc creates ``<run>.json`` (``posttrain.storage.lease.StoreLease``:
 create-only, or replacing an expired one by ETag), *then* lists the publisher leases, and skips
 the run when one is live. Each side writes before it reads the other's, so on a store with
 read-after-write consistency (S3, a folder) at least one of two racing sides sees the other:
@@ -45,7 +48,7 @@ from posttrain.storage import StorageError, Store
 from posttrain.storage.lease import LeaseBusy, LeaseRecord, StoreLease, live_lease, record_bytes
 from posttrain.storage.lease import LeaseLost as StoreLeaseLost
 
-__all__ = ["GC_TTL", "PUBLISH_TTL", "GcLease", "LeaseLost", "LeaseRecord", "RunBusy", "base_retired", "leases_prefix",
+__all__ = ["GC_LEASES_PREFIX", "GC_TTL", "PUBLISH_TTL", "GcLease", "LeaseLost", "LeaseRecord", "RunBusy", "base_retired", "leases_prefix",
            "live_gc_leases", "publishing"]
 
 PUBLISH_TTL = 6 * 3600.0  # longer than any one publish step (encode and upload of one checkpoint)
@@ -60,8 +63,15 @@ class LeaseLost(StoreLeaseLost, ChainError):
     """gc's lease on a run expired or was taken over while it was deleting: it stopped."""
 
 
+GC_LEASES_PREFIX = ".posttrain/gc-leases/"
+
+
 def leases_prefix(run: str) -> str:
     return f"{RUNS_PREFIX}{check_run_name(run)}/leases/"
+
+
+def gc_lease_key(run: str) -> str:
+    return f"{GC_LEASES_PREFIX}{check_run_name(run)}.json"
 
 
 @contextlib.contextmanager
@@ -72,7 +82,7 @@ def publishing(store: Store, run: str, work_dir: Path, *, ttl: float = PUBLISH_T
     key = f"{leases_prefix(run)}publish-{ident}.json"
     store.put_bytes(key, record_bytes("publisher", ttl, clock))  # first ours, then look at gc's (module docstring)
     try:
-        while live_lease(store, leases_prefix(run) + "gc.json", clock())[0] is not None:
+        while live_lease(store, gc_lease_key(run), clock())[0] is not None:
             time.sleep(poll)
         yield
     finally:
@@ -86,7 +96,7 @@ class GcLease(StoreLease):
     busy, lost = RunBusy, LeaseLost
 
     def __init__(self, store: Store, run: str, *, ttl: float = GC_TTL, clock: Callable[[], float] = time.time):
-        super().__init__(store, leases_prefix(run) + "gc.json", "gc", what=f"run {run}", ttl=ttl, clock=clock)
+        super().__init__(store, gc_lease_key(run), "gc", what=f"run {run}", ttl=ttl, clock=clock)
         self.run = run
 
     def busy_message(self, held: LeaseRecord, now: float) -> str:
@@ -103,13 +113,14 @@ class GcLease(StoreLease):
 
 
 def live_gc_leases(store: Store, now: float) -> dict[str, LeaseRecord]:
-    """run -> its live gc lease, of every run in the store."""
+    """run -> its live gc lease, of every run in the store (a listing of gc's leases only)."""
     out = {}
-    for key in store.list(RUNS_PREFIX):
-        if key.endswith("/leases/gc.json"):
+    for key in store.list(GC_LEASES_PREFIX):
+        name = key[len(GC_LEASES_PREFIX):]
+        if name.endswith(".json") and "/" not in name:
             held, _ = live_lease(store, key, now)
             if held is not None:
-                out[key[len(RUNS_PREFIX):].split("/", 1)[0]] = held
+                out[name.removesuffix(".json")] = held
     return out
 
 

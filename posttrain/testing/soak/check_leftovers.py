@@ -25,7 +25,7 @@ from pathlib import Path
 from posttrain.testing.soak.check_context import Context
 from posttrain.testing.soak.check_history import gateway_get
 from posttrain.testing.soak.check_model import CheckResult, finite
-from posttrain.testing.soak.check_store import DEPLOYMENT_LEASE_RE, RUN_KEY_RE
+from posttrain.testing.soak.check_store import DEPLOYMENT_LEASE_RE, GC_LEASE_RE, RUN_KEY_RE
 
 SERVICES = ("posttrain serve", "posttrain.serve", "prefect server", "prefect worker", "prefect.server",
             "weed ", "faultproxy", "fault_proxy", "postgres", "slurmd", "slurmctld", "slurmdbd", "soak_check")
@@ -50,7 +50,8 @@ def check_leftovers(ctx: Context) -> CheckResult:
 def _leases(ctx: Context, res: CheckResult) -> None:
     for key in sorted(ctx.store.sizes):
         m = RUN_KEY_RE.fullmatch(key)
-        if not ((m and m.group(2).startswith("leases/")) or DEPLOYMENT_LEASE_RE.fullmatch(key)):
+        if not ((m and m.group(2).startswith("leases/")) or DEPLOYMENT_LEASE_RE.fullmatch(key)
+                or GC_LEASE_RE.fullmatch(key)):
             continue
         res.items += 1
         try:

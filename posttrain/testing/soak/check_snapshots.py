@@ -23,6 +23,7 @@ from posttrain.testing.soak.check_store import (
     BOOK,
     DEPLOYMENT_LEASE_RE,
     EVAL_KEY_RE,
+    GC_LEASE_RE,
     HISTORY_KEY_RE,
     RUN_FILE_RE,
     RUN_KEY_RE,
@@ -131,7 +132,7 @@ def _orphans(store, snaps: dict, listed: dict[str, str]) -> list[str]:  # noqa: 
         m = RUN_KEY_RE.fullmatch(key)
         if m and RUN_FILE_RE.fullmatch(m.group(2)):
             continue
-        if HISTORY_KEY_RE.fullmatch(key) or DEPLOYMENT_LEASE_RE.fullmatch(key) or EVAL_KEY_RE.fullmatch(key):
+        if any(r.fullmatch(key) for r in (HISTORY_KEY_RE, DEPLOYMENT_LEASE_RE, GC_LEASE_RE, EVAL_KEY_RE)):
             continue
         out.append(f"orphan: {key} is no part of the store's layout (docs/layout.md)")
     for key in store.open_uploads:

@@ -37,8 +37,9 @@ MAX_DELTAS = 128
 RUN_KEY_RE = re.compile(r"\.posttrain/runs/([^/]+)/(.+)")
 HISTORY_KEY_RE = re.compile(r"\.posttrain/promotions/([^/]+)/(.+)")
 DEPLOYMENT_LEASE_RE = re.compile(r"\.posttrain/deployments/([^/]+)/lease\.json")
+GC_LEASE_RE = re.compile(r"\.posttrain/gc-leases/([^/]+)\.json")
 EVAL_KEY_RE = re.compile(r"\.posttrain/evals/[^/]+/[^/]+\.json")
-RUN_FILE_RE = re.compile(r"run\.json|latest\.json|steps/\d+\.json|ledger/[^/]+\.json|leases/(publish-[^/]+|gc)\.json")
+RUN_FILE_RE = re.compile(r"run\.json|latest\.json|steps/\d+\.json|ledger/[^/]+\.json|leases/publish-[^/]+\.json")
 IDENTITY_STEP_RE = re.compile(r"step-(\d{8})-[0-9a-f]{32}")
 # safetensors dtype -> numpy dtype of the same width (bf16 kept as its 16-bit patterns)
 NP_DTYPES = {"BOOL": np.uint8, "U8": np.uint8, "I8": np.int8, "F8_E5M2": np.uint8, "F8_E4M3": np.uint8,
