@@ -36,6 +36,7 @@ and the load average (1 min) before and after the case. No assertions. About 12 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -320,44 +321,83 @@ def floor_rounds(settings, store_dir: Path, server_url: str, token: str, work: P
     return walls
 
 
-def run(args: argparse.Namespace) -> dict:
-    import posttrain.pipeline.flows.grpo as grpo_module
-    from posttrain.cluster import LocalConfig
-    from posttrain.datasets.toy import write_toy_jsonl
-    from posttrain.models.tiny import build_tiny_model
-    from posttrain.pipeline.blocks import LocalCluster
-    from posttrain.pipeline.deployments.embedded import DEFAULT, save_default_blocks
-    from posttrain.pipeline.parameters import to_parameters
-    from posttrain.pipeline.settings import GrpoSettings
+_instrumented = False
+
+
+def instrument() -> None:
+    """Time the task bodies and count the API requests of this process's flows: once per process
+    (several cases may run in one process, each clearing the records)."""
+    global _instrumented
+    if _instrumented:
+        return
     from posttrain.pipeline.tasks import publishing, rollouts, training
-    from cpu_sampler import CpuSampler, pid_in  # bench/, beside these files
-    from inference_server import start_inference
 
     client_log = logging.getLogger("prefect.client")
     client_log.setLevel(logging.DEBUG)
     client_log.addFilter(Count503())
     count_api_calls()
-
     timed(publishing.publish_checkpoint, "publish", lambda a: a["step"])
     timed(publishing.hot_load, "hot-load", lambda a: a["snapshot"].step)
     timed(rollouts.rollout_shard_task, "sample", lambda a: a["spec"].round, lambda a: a["spec"].shard)
     timed(training.train_step, "train", lambda a: a["round"])
+    _instrumented = True
 
-    work = Path(tempfile.mkdtemp(prefix="posttrain-prefect-bench-"))
+
+@contextlib.contextmanager
+def bench_case(work: Path, api_ready=lambda: None):
+    """The tiny base model, a folder store, the reference inference server and the default blocks
+    (saved to $PREFECT_API_URL once ``api_ready()`` returns) under ``work``: what a case's flow and floor run against. Yields
+    (base, store, server process, server URL, token); stops the server and removes ``work`` on leaving."""
+    from inference_server import start_inference  # bench/, beside this file
+
+    from posttrain.cluster import LocalConfig
+    from posttrain.models.tiny import build_tiny_model
+    from posttrain.pipeline.blocks import LocalCluster
+    from posttrain.pipeline.deployments.embedded import DEFAULT, save_default_blocks
+
+    work.mkdir(parents=True, exist_ok=True)
     base = build_tiny_model(work / "tiny-base", seed=0)
-    prompts = args.shards * args.prompts_per_shard
-    dataset = write_toy_jsonl(work / "prompts.jsonl", n=max(prompts, 16), seed=0, task="mixed")
     store = work / "store"
     token = secrets.token_urlsafe(16)
     # a `posttrain serve` process, as an inference deployment is: in this process its request
     # handling would queue on the GIL behind the flow's Python (and the floor's)
     server, server_url = start_inference(base, store, work, token, core=None)
     try:
+        api_ready()  # a Prefect server may start meanwhile
         save_default_blocks(store_dir=store, server_url=server_url, deployment_id="dep-bench", model="tiny",
                             token=token)
         LocalCluster(settings=LocalConfig(folder=str(work / "jobs"))).save(DEFAULT, overwrite=True)
+        yield base, store, server, server_url, token
+    finally:
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, case: tuple | None = None) -> dict:
+    """One case: ``args.rounds`` GRPO rounds of ``args.shards`` shards and the floor's rounds (none when
+    ``args.floor`` is False), against ``case`` (a ``bench_case``'s; None: one of its own). Prints the
+    rounds; returns the medians, with each round's row under "per_round"."""
+    from cpu_sampler import CpuSampler, pid_in  # bench/, beside these files
+
+    import posttrain.pipeline.flows.grpo as grpo_module
+    from posttrain.datasets.toy import write_toy_jsonl
+    from posttrain.pipeline.parameters import to_parameters
+    from posttrain.pipeline.settings import GrpoSettings
+
+    instrument()
+    for records in (BODIES, RETRIES_503, CALLS, CALLS_503):
+        records.clear()
+    with contextlib.ExitStack() as stack:
+        if case is None:
+            case = stack.enter_context(bench_case(Path(tempfile.mkdtemp(prefix="posttrain-prefect-bench-"))))
+        base, store, server, server_url, token = case
+        work = Path(tempfile.mkdtemp(prefix=f"shards-{args.shards}-", dir=store.parent))
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        prompts = args.shards * args.prompts_per_shard
+        dataset = write_toy_jsonl(work / "prompts.jsonl", n=max(prompts, 16), seed=0, task="mixed")
         settings = GrpoSettings(
-            run_name=f"bench-{int(time.time())}", base_model=str(base), dataset=str(dataset),
+            run_name=f"bench-{int(time.time())}-{args.shards}", base_model=str(base), dataset=str(dataset),
             shared_dir=str(work / "shared"), rounds=args.rounds, prompts_per_round=prompts, shards=args.shards,
             rollout={"num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
                      "reward_funcs": ["posttrain.rewards:correctness_reward"]},
@@ -374,16 +414,14 @@ def run(args: argparse.Namespace) -> dict:
                              with_children=("inference", "prefect", "postgres"))
         sampler.start()
         # the floor's rounds before and after the flow's: neither side has all the warm caches
-        floor = floor_rounds(settings, store, server_url, token, work / "floor-before")
+        with_floor = getattr(args, "floor", True)
+        floor = floor_rounds(settings, store, server_url, token, work / "floor-before") if with_floor else []
         t0 = time.perf_counter()
         report = grpo_module.grpo(**to_parameters(settings))
         flow_wall = time.perf_counter() - t0
-        floor += floor_rounds(settings, store, server_url, token, work / "floor-after")
+        if with_floor:
+            floor += floor_rounds(settings, store, server_url, token, work / "floor-after")
         sampler.stop()
-    finally:
-        server.terminate()
-        server.wait(30)
-        shutil.rmtree(work, ignore_errors=True)
 
     runs_per_round = 1 + 1 + args.shards + 1  # publish, hot-load, a task per shard, train
     header = (f"{'round':>5} {'wall s':>7} {'bodies s':>8} {'overhead s':>10} {'overhead %':>10} "
@@ -444,20 +482,20 @@ def run(args: argparse.Namespace) -> dict:
     # train stage is the train-step task's body; the floor's includes merging the shards' rollouts)
     shown = [k for k in stages[0] if k != "window"]
     print("stage medians, s:   " + "  ".join(f"{k:>12}" for k in shown))
-    for name, runs in (("flow", stages), ("floor", floor)):
+    for name, runs in (("flow", stages), ("floor", floor)) if floor else (("flow", stages),):
         print(f"  {name:<17} " + "  ".join(f"{statistics.median(x[k] for x in runs):>12.2f}" for k in shown))
     # CPU seconds each process spent while the shards sampled (medians over rounds): on a machine whose
     # CPUs the inference server shares, what the flow's side spends there, the sampling waits for
     names = list(sampler.procs)
     print("CPU s while sampling:  " + "  ".join(f"{n:>10}" for n in names) + "      total")
-    for name, runs in (("flow", stages), ("floor", floor)):
+    for name, runs in (("flow", stages), ("floor", floor)) if floor else (("flow", stages),):
         cpu = [sampler.cpu_between(*x["window"]) for x in runs]
         print(f"  {name:<20} " + "  ".join(f"{statistics.median(c.get(n, 0.0) for c in cpu):>10.2f}" for n in names)
               + f"  {statistics.median(sum(c.values()) for c in cpu):>9.2f}")
     print(f"whole flow {flow_wall:.1f} s (plus the final publish and hot-load); bodies timed in this process; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return {"rounds": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
-            "floor": statistics.median(x["wall"] for x in floor)}
+            "floor": statistics.median(x["wall"] for x in floor) if floor else float("nan"), "per_round": rows}
 
 
 if __name__ == "__main__":
