@@ -99,7 +99,8 @@ def grpo(settings: GrpoSettings) -> GrpoReport:
     if settings.inference:
         with clock.wait("hot-load"):
             hot_load(final, settings)
-    svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table])
+    svg = reward_curve_svg([row["reward mean"] for row in table], [row["reward std"] for row in table],
+                           max_points=max(len(table), 1))  # the run folder's curve: every round
     curve = atomic_write(run_dir / "reward-curve.svg", svg)
     resident = settings.trainer_job == "resident"
     jobs = resident_markers(run_dir) if resident else sorted(run_dir.glob("rounds/*/train-job.json"))
@@ -189,6 +190,8 @@ def per_round_jobs(settings: GrpoSettings, rows: list[dict], clock: FlowClock, t
             round_table(card, table, trainer)
             reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table], settings.rounds)
             logger.info("round %d: reward %.3f; next policy %s", r, row["reward mean"], current)
+        if table:  # the live table showed the latest rounds: every round, once
+            round_table(card, table, trainer, whole=True)
     return current
 
 
@@ -229,6 +232,8 @@ def resident_rounds(settings: GrpoSettings, rows: list[dict], clock: FlowClock, 
             reward_curve(card, [x["reward mean"] for x in table], [x["reward std"] for x in table], settings.rounds)
             logger.info("round %d: reward %.3f, sampled from policy version %d; handed to the trainer", r,
                         row["reward mean"], job.recorded_version(policy))
+    if table:  # the live table showed the latest rounds: every round, once
+        round_table(card, table, trainer, asynchronous=k > 0, whole=True)
     last, _ = job.finish(settings.rounds)  # every round's checkpoint, then the job's end (or its reason)
     return last.path
 

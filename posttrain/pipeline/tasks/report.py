@@ -115,13 +115,28 @@ def round_table_description(asynchronous: bool, trainer=None) -> str:
             "or full), " + times + tensorboard_line(trainer))
 
 
-def round_table(run_name: str, rows: list[dict], trainer=None, *, asynchronous: bool = False) -> None:
+# Prefect replaces an artifact's data whole on every update: a live table of every round would
+# write bytes in proportion to the round number each round (30 KB a round at round 200, twice: the
+# artifact and its collection's copy). While the run goes it shows the latest rounds; the flow writes
+# the whole table once, after the last round.
+LIVE_TABLE_ROWS = 20
+# The reward curve's points at most: a longer run's rounds are averaged in as many equal bins (the
+# 480 px chart holds no more), so the live curve's bytes stop growing with the round number too.
+CURVE_POINTS = 60
+
+
+def round_table(run_name: str, rows: list[dict], trainer=None, *, asynchronous: bool = False,
+                whole: bool = False) -> None:
     """The rounds table (``asynchronous``: max_staleness > 0, with the policy, staleness and wait
     columns); with ``trainer`` (the round's TrainerConfig), its description says where the training
-    curves are (``tensorboard_line``)."""
+    curves are (``tensorboard_line``). The latest ``LIVE_TABLE_ROWS`` rounds unless ``whole``."""
     key = artifact_key(run_name, "rounds")
     description = round_table_description(asynchronous, trainer)
-    shown = round_table_rows(rows, asynchronous)
+    live = rows if whole else rows[-LIVE_TABLE_ROWS:]
+    if len(live) < len(rows):
+        description = (f"The latest {len(live)} of {len(rows)} rounds so far (every round once the run ends). "
+                       + description)
+    shown = round_table_rows(live, asynchronous)
     _upsert(key, "table", json.dumps(shown), description,
             lambda: create_table_artifact(shown, key=key, description=description))
 
@@ -227,13 +242,26 @@ def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     return [round(k * step, 10) for k in range(first, last + 1)]
 
 
-def reward_curve_svg(means: list[float], stds: list[float]) -> str:
+def curve_points(means: list[float], stds: list[float], most: int) -> list[tuple[float, float, float]]:
+    """(round, mean, std) per round, or of at most ``most`` equal bins of consecutive rounds (their
+    mean round, mean of the means, mean std)."""
+    n = len(means)
+    if n <= most:
+        return [(float(i), m, s) for i, (m, s) in enumerate(zip(means, stds, strict=True))]
+    bins = [range(j * n // most, (j + 1) * n // most) for j in range(most)]
+    return [(sum(b) / len(b), sum(means[i] for i in b) / len(b), sum(stds[i] for i in b) / len(b)) for b in bins]
+
+
+def reward_curve_svg(means: list[float], stds: list[float], max_points: int | None = None) -> str:
     """A small self-contained SVG line chart of the mean reward per round, with a ±1 std band and
-    labelled axes: round on x, reward on y, tick labels on both."""
+    labelled axes: round on x, reward on y, tick labels on both; at most ``max_points`` points
+    (default ``CURVE_POINTS``: longer runs are binned)."""
     w, h, left, right, top, bottom = 480, 260, 56, 16, 28, 44
     n = max(len(means), 1)
-    lo = min((m - s for m, s in zip(means, stds, strict=True)), default=0.0)
-    hi = max((m + s for m, s in zip(means, stds, strict=True)), default=1.0)
+    most = CURVE_POINTS if max_points is None else max_points
+    points = curve_points(means, stds, most)
+    lo = min((m - s for _, m, s in points), default=0.0)
+    hi = max((m + s for _, m, s in points), default=1.0)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
     ticks = _ticks(lo, hi)
@@ -243,9 +271,8 @@ def reward_curve_svg(means: list[float], stds: list[float]) -> str:
         x = left + (w - left - right) * (i / (n - 1) if n > 1 else 0.5)
         return x, h - bottom - (h - top - bottom) * (v - lo) / (hi - lo)
 
-    line = " ".join("%.1f,%.1f" % xy(i, m) for i, m in enumerate(means))
-    band = [xy(i, m + s) for i, (m, s) in enumerate(zip(means, stds, strict=True))]
-    band += [xy(i, m - s) for i, (m, s) in reversed(list(enumerate(zip(means, stds, strict=True))))]
+    line = " ".join("%.1f,%.1f" % xy(i, m) for i, m, _ in points)
+    band = [xy(i, m + s) for i, m, s in points] + [xy(i, m - s) for i, m, s in reversed(points)]
     poly = " ".join("%.1f,%.1f" % p for p in band)
     x0, y0, x1 = left, h - bottom, w - right
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif">',
@@ -257,7 +284,7 @@ def reward_curve_svg(means: list[float], stds: list[float]) -> str:
         y = xy(0, t)[1]
         parts.append(f'<line x1="{x0 - 4}" y1="{y:.1f}" x2="{x1}" y2="{y:.1f}" stroke="#ddd"/>'
                      f'<text class="ytick" x="{x0 - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{t:g}</text>')
-    step = max(1, math.ceil(len(means) / 10))
+    step = max(1, math.ceil(len(means) / min(10, most)))  # no more round labels than points
     for i in range(0, len(means), step):
         x = xy(i, lo)[0]
         parts.append(f'<line x1="{x:.1f}" y1="{y0}" x2="{x:.1f}" y2="{y0 + 4}" stroke="black"/>'
@@ -269,7 +296,7 @@ def reward_curve_svg(means: list[float], stds: list[float]) -> str:
         parts += [f'<polygon points="{poly}" fill="#9ecae1" opacity="0.5"/>',
                   f'<polyline points="{line}" fill="none" stroke="#08519c" stroke-width="2"/>']
         parts += [f'<circle cx="{xy(i, m)[0]:.1f}" cy="{xy(i, m)[1]:.1f}" r="2.5" fill="#08519c"/>'
-                  for i, m in enumerate(means)]
+                  for i, m, _ in points]
     parts.append("</svg>")
     return "".join(parts)
 

@@ -1,0 +1,44 @@
+"""bench/growth.py rounds at its smallest size: what does not depend on the machine's speed.
+
+Eight rounds of the GRPO flow (resident trainer, max_staleness 1) against a Prefect server and a
+PostgreSQL of the test's own: the rows the database writes, the artifact bytes the flow sends and
+the bytes its folders gain per round do not grow with the round number, and the flow's memory
+stays put. The live artifacts' windows (the rounds table's latest rows, the reward curve's points)
+are scaled down with the run (3 instead of 20 and 60), so that eight rounds reach them as 200
+rounds reach the product's. Rounds 1-3 carry the start-up and are not compared.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import growth_rounds  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROUNDS, LIVE = 8, 3
+
+
+def mean(rows: list[dict], rounds: range, key: str) -> float:
+    values = [r[key] for r in rows if r["round"] in rounds]
+    assert values, (rounds, key)
+    return sum(values) / len(values)
+
+
+def test_nothing_per_round_grows_with_the_round_number() -> None:
+    rows = growth_rounds.measure_rounds(ROUNDS, shards=1, prompts_per_shard=2, num_generations=2,
+                                        max_completion_length=8, live_window=LIVE)
+    assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
+    first, last = range(4, 6), range(ROUNDS - 1, ROUNDS + 1)
+    # the recorder and the event persister commit once a second: a round's last rows can land in the next
+    assert mean(rows, last, "db_rows") <= 1.3 * mean(rows, first, "db_rows") + 15, rows
+    # the live table and curve are as long from round LIVE on: only their digits change
+    assert mean(rows, last, "artifact_bytes") <= 1.05 * mean(rows, first, "artifact_bytes") + 64, rows
+    assert mean(rows, last, "folder_bytes") <= 1.1 * mean(rows, first, "folder_bytes") + 4096, rows
+    assert mean(rows, last, "rss_mib") <= mean(rows, first, "rss_mib") + 64, rows
+    assert all(r["db_rows"] > 0 and r["artifact_bytes"] > 0 for r in rows), rows  # it counted something
