@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import growth_replicas  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.services, pytest.mark.slow]  # starts servers of its own
 MiB = 1 << 20
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import growth_rounds  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.services, pytest.mark.slow]  # starts servers of its own
 
 ROUNDS, LIVE = 8, 3
 

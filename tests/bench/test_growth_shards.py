@@ -18,14 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import growth_shards  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.services, pytest.mark.slow]  # starts servers of its own
 
 
 def per_shard(row: dict, key: str) -> float:
     return row[key] / row["shards"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # PostgreSQL, Prefect and the tiny model on a loaded machine
 def test_a_round_makes_a_task_run_per_shard_and_asks_the_server_at_most_linearly_more() -> None:
     with growth_shards.prefect_on_postgres() as services:
         small, large = growth_shards.measure_shards([2, 4], 1, services, floor=False, fake_train=True,
