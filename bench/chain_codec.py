@@ -22,8 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,22 +29,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import axolotl_encoder  # noqa: E402
+from growth_common import run_measured  # noqa: E402
 
 from posttrain.chain.safetensors_io import read_header  # noqa: E402
 from posttrain.testing.synthetic import dir_size  # noqa: E402
-
-
-def run(cmd: list[str]) -> tuple[float, float, float]:
-    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system) of a command run in its own process."""
-    with tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        secs = time.perf_counter() - t0
-        if os.waitstatus_to_exitcode(status) != 0:
-            err.seek(0)
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode()}")
-    return secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def make_pair(data: Path, gib: float, lr: float) -> tuple[Path, Path]:
@@ -190,7 +176,7 @@ def main() -> None:
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
                 os.sync()  # start each run with no writeback left over from the one before
-                secs, peak, cpu_s = run(make_cmd(work))
+                secs, peak, cpu_s, _ = run_measured(make_cmd(work))
                 times[key].append(secs)
                 rss[key].append(peak)
                 cpu[key].append(cpu_s)

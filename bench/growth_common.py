@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_PLOTS = ROOT / "docs" / "growth"
@@ -112,20 +113,25 @@ def save(name: str, payload: dict, out_dir: Path = RESULTS) -> Path:
     return path
 
 
-def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT) -> tuple[float, float, float]:
-    """Wall seconds, peak RSS (MiB) and CPU seconds of a command run in a process of its own.
+class Measured(NamedTuple):
+    seconds: float  # wall
+    rss_mib: float  # the child's own peak (wait4's ru_maxrss), so this process's memory does not count
+    cpu_s: float  # user + system
+    stdout: str  # with capture=True, else ""
 
-    The peak is the child's own (wait4's ru_maxrss), so this process's memory does not count.
-    """
-    with tempfile.TemporaryFile() as err:
+
+def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, capture: bool = False) -> Measured:
+    """Run a command in a process of its own and measure it; a failure stops the benchmark with its stderr."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=cwd)
+        proc = subprocess.Popen(cmd, stdout=out if capture else subprocess.DEVNULL, stderr=err, env=env, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         secs = time.perf_counter() - t0
         if os.waitstatus_to_exitcode(status) != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode()[-4000:]}")
-    return secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
+        out.seek(0)
+        return Measured(secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, out.read().decode())
 
 
 def python() -> str:

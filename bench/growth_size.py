@@ -24,11 +24,10 @@ import math
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
-from growth_common import ROOT, loadavg, machine, plot, python, ratio, save, table
+from growth_common import ROOT, loadavg, machine, plot, python, ratio, run_measured, save, table
 
 GiB = 1 << 30
 CODEC_RSS_MIB = 400 * 1e6 / (1 << 20)  # the issue's bound: 400 MB
@@ -69,22 +68,6 @@ def tensor_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def _child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Wall seconds, peak RSS MiB and stdout of a child process; a failure stops the benchmark."""
-    import tempfile
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        secs = time.perf_counter() - t0
-        out.seek(0)
-        err.seek(0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode()[-4000:]}")
-        return secs, usage.ru_maxrss / 1024, out.read().decode()
-
-
 def measure_size(gib: float, data: Path, endpoint: str | None, lr: float = 1e-6, keep_pair: bool = True) -> list[dict]:
     """One row per stage for one checkpoint size: seconds, GB/s of the checkpoint's bytes, peak RSS MiB.
 
@@ -110,11 +93,11 @@ def measure_size(gib: float, data: Path, endpoint: str | None, lr: float = 1e-6,
         subprocess.run(py + ["chain", "encode", str(base), "--out", str(chain), "--identity", "base"], check=True,
                        stdout=subprocess.DEVNULL, cwd=ROOT)
         os.sync()
-        secs, rss, _ = _child(py + ["chain", "encode", str(new), "--out", str(chain), "--base", str(base),
+        secs, rss, *_ = run_measured(py + ["chain", "encode", str(new), "--out", str(chain), "--base", str(base),
                                     "--base-identity", "base", "--identity", "new"])
         row("encode delta", secs, rss, sum(p.stat().st_size for p in (chain / "new").iterdir()))
         os.sync()
-        secs, rss, _ = _child(py + ["chain", "apply", str(chain), "--version", "new", "--out", str(work / "applied")])
+        secs, rss, *_ = run_measured(py + ["chain", "apply", str(chain), "--version", "new", "--out", str(work / "applied")])
         row("apply delta", secs, rss)
         shutil.rmtree(work / "applied")
         shutil.rmtree(chain)  # disk: an 8 GiB pair, its snapshots and the store's copy must fit together
@@ -124,15 +107,15 @@ def measure_size(gib: float, data: Path, endpoint: str | None, lr: float = 1e-6,
         bucket_uri = f"s3://growth/size-{gib:g}-{uuid.uuid4().hex[:6]}"
         for stage, ckpt, step in (("publish full", base, 1), ("publish delta", new, 2)):
             os.sync()
-            secs, rss, _ = _child(py + ["publish", str(ckpt), "--store", bucket_uri, "--run", "growth", "--work-dir",
+            secs, rss, *_ = run_measured(py + ["publish", str(ckpt), "--store", bucket_uri, "--run", "growth", "--work-dir",
                                         str(work / "publish"), "--step", str(step), "--sync", "--endpoint-url",
                                         endpoint, "--region", "us-east-1"], env=env)
             row(stage, secs, rss)
         shutil.rmtree(work / "publish")
         for stage in ("hot-load full", "hot-load delta"):
             os.sync()
-            secs, rss, out = _child([python(), str(ROOT / "bench" / "growth_size_rebuild.py"), bucket_uri, endpoint,
-                                     str(work / "serve"), stage.split()[1]], env=env)
+            secs, rss, _, out = run_measured([python(), str(ROOT / "bench" / "growth_size_rebuild.py"), bucket_uri, endpoint,
+                                     str(work / "serve"), stage.split()[1]], env=env, capture=True)
             stages = json.loads(out.strip().splitlines()[-1])
             row(stage, secs, rss, stages["fetched_bytes"])
             rows[-1].update(fetch_s=stages["fetch"], apply_s=stages["apply"])

@@ -147,19 +147,9 @@ class Built:
 
 def _checkpoints(out: Path, seed: int, steps: int) -> list[Path]:
     """``steps`` tiny checkpoints (two 32x32 bf16 tensors), a few values changing per step."""
-    import numpy as np
+    from posttrain.testing.synthetic import run_checkpoints
 
-    from posttrain.testing.synthetic import write_checkpoint
-
-    rng = np.random.default_rng(seed)
-    state = {f"layer.{i}.weight": rng.integers(0, 1 << 16, (32, 32), dtype=np.uint16) for i in range(2)}
-    paths = []
-    for step in range(1, steps + 1):
-        for arr in state.values():
-            idx = rng.choice(arr.size, size=16, replace=False)
-            arr.reshape(-1)[idx] ^= rng.integers(1, 1 << 16, size=16, dtype=np.uint16)
-        paths.append(write_checkpoint(out / f"checkpoint-{step}", {n: ("BF16", a.copy()) for n, a in state.items()}))
-    return paths
+    return run_checkpoints(out, seed, steps, tensors=2, side=32, changed=16)
 
 
 def _decide(history, candidate: str) -> None:  # noqa: ANN001 - a History

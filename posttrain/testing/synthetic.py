@@ -159,3 +159,17 @@ def _small_tensors(rng: np.random.Generator, lr: float) -> dict[str, tuple[str, 
 def dir_size(path: str | Path) -> int:
     return sum(os.path.getsize(p) for p in Path(path).rglob("*") if p.is_file())
 
+
+def run_checkpoints(root: str | Path, seed: int, steps: int, *, tensors: int = 4, side: int = 64,
+                    changed: int = 40) -> list[Path]:
+    """``steps`` checkpoints of a run (``checkpoint-<step>``): ``tensors`` small bf16 matrices,
+    ``changed`` of each one's values changing every step."""
+    rng = np.random.default_rng(seed)
+    state = {f"layer.{i}.weight": rng.integers(0, 1 << 16, (side, side), dtype=np.uint16) for i in range(tensors)}
+    out = []
+    for step in range(1, steps + 1):
+        for arr in state.values():
+            idx = rng.choice(arr.size, size=changed, replace=False)
+            arr.reshape(-1)[idx] ^= rng.integers(1, 1 << 16, size=changed, dtype=np.uint16)
+        out.append(write_checkpoint(Path(root) / f"checkpoint-{step}", {n: ("BF16", a.copy()) for n, a in state.items()}))
+    return out

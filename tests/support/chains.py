@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from posttrain.chain.checkpoint import INDEX_NAME
 from posttrain.chain.fetch import reconstruct_from_store
 from posttrain.chain.policy import ChainPolicy
@@ -20,7 +18,7 @@ from posttrain.publish import PublishConfig, Publisher
 from posttrain.publish.content import checkpoint_content
 from posttrain.publish.ledger import Ledger
 from posttrain.storage import Store
-from posttrain.testing.synthetic import write_checkpoint
+from posttrain.testing.synthetic import run_checkpoints
 
 DAY = 86400.0
 
@@ -41,15 +39,7 @@ class Nightly:
 
 def checkpoints(root: Path, seed: int, steps: int) -> list[Path]:
     """``steps`` checkpoints of a run: four small bf16 tensors, a few of their bytes changing each step."""
-    rng = np.random.default_rng(seed)
-    state = {f"layer.{i}.weight": rng.integers(0, 1 << 16, (64, 64), dtype=np.uint16) for i in range(4)}
-    out = []
-    for step in range(1, steps + 1):
-        for arr in state.values():
-            idx = rng.choice(arr.size, size=40, replace=False)
-            arr.reshape(-1)[idx] ^= rng.integers(1, 1 << 16, size=40, dtype=np.uint16)
-        out.append(write_checkpoint(root / f"checkpoint-{step}", {n: ("BF16", a.copy()) for n, a in state.items()}))
-    return out
+    return run_checkpoints(root, seed, steps)
 
 
 def publish_runs(store: Store, root: Path, *, runs: int = 5, steps: int = 5, first: int = 0) -> Nightly:
