@@ -93,3 +93,24 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
     first = {ORCHESTRATION: 0, SLURM: 1, SOAK: 1.5}
     # stable: collection order within each part
     items.sort(key=lambda i: first.get(groups[id(i)], 2 if groups[id(i)] in slow else 3))
+
+
+# Time per group (setup, call and teardown of its tests): the suite's wall time is its longest worker's,
+# and a worker runs whole groups, so the groups' times show where the budget goes. Printed after the
+# slowest tests (--durations) in the test command's report.
+_group_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    group = report.nodeid.rsplit("@", 1)[1] if "@" in report.nodeid else report.nodeid.split("::", 1)[0]
+    _group_seconds[group] = _group_seconds.get(group, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _group_seconds or not config.getoption("durations", None):
+        return
+    top = sorted(_group_seconds.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", f"slowest groups (of {len(_group_seconds)}; {sum(_group_seconds.values()):.0f} s "
+                                    "in all)")
+    for group, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f}s {group}")

@@ -14,7 +14,7 @@ says nothing about any of that. Two readings, taken from the replica itself:
 
 A replica that stops answering (a failed probe, a request it did not answer) takes no request
 until it answers again AND holds the served version. One found on other weights is put back on
-the served version (reloaded in place, or restarted when the gateway supervises it) and checked
+the served version (reloaded in place; restarted when that fails and the gateway supervises it) and checked
 again; until then, and when that fails, it is ERROR with the reason. The probe runs every
 ``monitor_interval_s`` (``posttrain serve --probe-interval``), so a replica is restored or
 reported ERROR within one interval of answering again. A replica that answered no request since its last
@@ -183,15 +183,8 @@ class ReplicaChecks(ReplicaReadback):
     def _put_back(self, r: Replica, why: str, quiet: str | None = None) -> None:
         """Put ``r`` back on the served version and check it (the caller holds ``r.lock``); a failure
         whose reason is ``quiet`` (the one logged at the last probe) is not logged again."""
-        consumed = None
         try:
-            if r.process is not None:
-                r.process.restart(self._base_dir)
-            elif self._restart_needed(self._base_dir):
-                raise EngineError(f"{self._base_dir.name} cannot be reloaded in place into {self.kind} (tied "
-                                  f"embeddings): restart it on {self._base_dir}")
-            else:
-                consumed = self._switch(r, self._base_dir, restart=False)
+            consumed = self._reload_or_restart(r)
             self._reattach(r)
             self._read_back(r, self._base_dir, consumed)
             self._check_probe(r, self._base_dir, None)
@@ -207,6 +200,22 @@ class ReplicaChecks(ReplicaReadback):
             r.error = f"{why}; putting it back on {self._served_name()} failed: {e}"
             if r.error != quiet:
                 log.warning("%s: %s", r.name, r.error)
+
+    def _reload_or_restart(self, r: Replica) -> dict | None:
+        """Switch ``r`` to the served folder: reloaded in place when the engine can take it (seconds), else
+        restarted when the gateway supervises it (a minute for vLLM); what the reload's loader read."""
+        if not self._restart_needed(self._base_dir):
+            try:
+                return self._switch(r, self._base_dir, restart=False)
+            except (EngineCallError, EngineError) as e:
+                if r.process is None:
+                    raise
+                log.warning("%s: reloading %s in place failed (%s); restarting it", r.name, self._base_dir.name, e)
+        elif r.process is None:
+            raise EngineError(f"{self._base_dir.name} cannot be reloaded in place into {self.kind} (tied "
+                              f"embeddings): restart it on {self._base_dir}")
+        r.process.restart(self._base_dir)
+        return None
 
     def _revive(self, r: Replica) -> None:
         """Restart a supervised engine that died on the version served now (the caller holds ``r.lock``)."""

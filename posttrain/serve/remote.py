@@ -322,8 +322,9 @@ class RemoteEngine(ReplicaChecks):
                 log.warning("%s: unloading adapter %s failed (%s)", r.name, name, e)
 
     def _reattach(self, r: Replica) -> None:
-        """After ``r`` restarted on the base: load the adapter requests go to again."""
-        if self._adapter is not None:
+        """After ``r`` restarted or was put back on the base: load the adapter requests go to again, unless it
+        still serves it (an engine reloaded in place keeps its adapters)."""
+        if self._adapter is not None and self._adapter not in getattr(r.client, "served_models", list)():
             r.client.load_adapter(self._adapter, self._served.path / PEFT_DIR)
 
     # ------------------------------------------------------------------ switching

@@ -196,6 +196,24 @@ def test_a_replica_at_a_url_found_on_other_weights_is_put_back(versions):
         engine.close()
 
 
+def test_a_supervised_replica_on_other_weights_is_reloaded_in_place_and_restarted_only_when_that_fails(versions):
+    server = Server(versions["boot"])
+    engine = _engine(versions, [server])
+    supervisor = engine.replicas[0].process
+    try:
+        engine.load(versions["v1"], "v1")
+        server.folder = versions["boot"]  # dropped back to its boot weights behind the gateway's back
+        engine.verify()
+        assert server.folder == versions["v1"] and server.calls[-3:] == ["pause", "reload v1", "resume"]
+        assert supervisor.restarts == []  # seconds, not a restart's minute
+        server.folder, server.break_on = versions["boot"], {"v1"}  # and now its reload breaks it
+        engine.verify()
+        assert supervisor.restarts == ["v1"] and server.folder == versions["v1"] and not server.broken
+        assert engine.replica_errors() == {}
+    finally:
+        engine.close()
+
+
 def test_an_engine_failing_requests_is_a_503_and_its_replica_is_checked_again(versions):
     """An engine answering 5xx (restarting, crashed) is not the client's error: 503, try again, and the
     replica takes no request until it is checked and put back."""
