@@ -113,6 +113,15 @@ def save(name: str, payload: dict, out_dir: Path = RESULTS) -> Path:
     return path
 
 
+def ensure_bucket(client, name: str) -> None:  # noqa: ANN001 - a boto3 S3 client
+    """Create bucket ``name`` unless it exists: the growth tests share the suite's SeaweedFS and may
+    create it at the same moment (the loser's CreateBucket answers BucketAlreadyOwnedByYou)."""
+    try:
+        client.create_bucket(Bucket=name)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+
+
 class Measured(NamedTuple):
     seconds: float  # wall
     rss_mib: float  # the child's own peak (wait4's ru_maxrss), so this process's memory does not count

@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from growth_common import ROOT, loadavg, machine, plot, python, ratio, save, table
+from growth_common import ROOT, ensure_bucket, loadavg, machine, plot, python, ratio, save, table
 
 MiB = 1 << 20
 TOKEN = "growth-replicas-token"
@@ -288,8 +288,7 @@ def measure_replicas(counts: list[int], mib: float, lr: float = 1e-6, endpoint: 
             for r in replicas:
                 r.proxy.point_at(endpoint)
             client = boto_client(endpoint)
-            if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
-                client.create_bucket(Bucket=BUCKET)
+            ensure_bucket(client, BUCKET)
             full, delta, delta_bytes = publish_pair(endpoint, prefix, base, new, work / "publish")
             shutil.rmtree(new)
             for r in replicas:

@@ -27,9 +27,10 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from growth_common import ROOT, loadavg, machine, plot, python, ratio, run_measured, save, table
+from growth_common import ROOT, ensure_bucket, loadavg, machine, plot, python, ratio, run_measured, save, table
 
 GiB = 1 << 30
+BUCKET = "growth"  # shared with bench/growth_replicas.py: each run writes under a prefix of its own
 CODEC_RSS_MIB = 400 * 1e6 / (1 << 20)  # the bound: 400 MB
 STAGES = ("encode delta", "apply delta", "publish full", "publish delta", "hot-load full", "hot-load delta")
 
@@ -104,7 +105,7 @@ def measure_size(gib: float, data: Path, endpoint: str | None, lr: float = 1e-6,
         if endpoint is None:
             return rows
 
-        bucket_uri = f"s3://growth/size-{gib:g}-{uuid.uuid4().hex[:6]}"
+        bucket_uri = f"s3://{BUCKET}/size-{gib:g}-{uuid.uuid4().hex[:6]}"
         for stage, ckpt, step in (("publish full", base, 1), ("publish delta", new, 2)):
             os.sync()
             secs, rss, *_ = run_measured(py + ["publish", str(ckpt), "--store", bucket_uri, "--run", "growth", "--work-dir",
@@ -155,7 +156,7 @@ def main(args: argparse.Namespace) -> None:
     rows: list[dict] = []
     args.data.mkdir(parents=True, exist_ok=True)
     with s3_endpoint(args.data) as endpoint:
-        boto_client(endpoint).create_bucket(Bucket="growth")
+        ensure_bucket(boto_client(endpoint), BUCKET)
         for gib in args.gib:
             rows += measure_size(gib, args.data, endpoint, args.lr, keep_pair=args.keep_pairs)
     print()

@@ -20,11 +20,10 @@ pytestmark = pytest.mark.slow
 
 def test_codec_memory_is_flat_in_the_size_and_a_delta_hot_load_fetches_the_delta_only(
         seaweedfs_endpoint: str, tmp_path: Path) -> None:
-    import boto3
-    from botocore.config import Config
+    from growth_common import ensure_bucket
+    from publish_hotload import boto_client
 
-    boto3.client("s3", endpoint_url=seaweedfs_endpoint, region_name="us-east-1", aws_access_key_id="t",
-                 aws_secret_access_key="t", config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket="growth")
+    ensure_bucket(boto_client(seaweedfs_endpoint), growth_size.BUCKET)  # the replicas test may make it too
     rows = {(r["gib"], r["stage"]): r for gib, endpoint in ((0.03, None), (0.12, seaweedfs_endpoint))
             for r in growth_size.measure_size(gib, tmp_path, endpoint, keep_pair=False)}
     for stage in ("encode delta", "apply delta"):
