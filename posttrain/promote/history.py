@@ -142,6 +142,10 @@ class History:
         self.store = store
         self.deployment = check_deployment(deployment)
         self.folder = join(check_prefix(prefix).rstrip("/"), f"{PROMOTIONS}/{deployment}") + "/"
+        # A record is written once (put if-none-match) and never changed, so each is read once per History:
+        # every records() lists the folder again (what was added or removed meanwhile) but reads only
+        # the records it has not read yet. A promotion or rollback asks for the records several times.
+        self._read_records: dict[str, Record] = {}
 
     def key(self, seq: int) -> str:
         return f"{self.folder}{seq:08d}.json"
@@ -164,6 +168,7 @@ class History:
             body = stored.model_dump_json(indent=2).encode()
             try:
                 self.store.put_bytes(self.key(seq), body, if_none_match=True)
+                self._read_records[self.key(seq)] = stored
                 return stored
             except PreconditionFailed:
                 try:  # our own write whose response was lost, retried by the client?
@@ -181,7 +186,9 @@ class History:
         for key in self.store.list(self.folder):
             m = RECORD_NAME_RE.fullmatch(key[len(self.folder):])
             if m:  # anything else in the folder is not ours to read
-                out.append(self._read(key, int(m.group(1))))
+                if key not in self._read_records:
+                    self._read_records[key] = self._read(key, int(m.group(1)))
+                out.append(self._read_records[key])
         return sorted(out, key=lambda r: r.seq)
 
     def champion(self) -> str | None:

@@ -88,6 +88,23 @@ def test_rolling_back_to_the_previous_champion_walks_back_and_never_returns_to_t
     assert history.identities() == {A, B, C, D}
 
 
+def test_each_record_is_read_once_and_records_written_meanwhile_are_seen(history: History) -> None:
+    """A rollback asks for the records five times (target, champion, record): a record is written once,
+    so it is read once; every call lists the folder again."""
+    history.append(promotion(A, None))
+    history.append(promotion(B, A))
+    reads: list[str] = []
+    get_bytes = history.store.get_bytes
+    history.store.get_bytes = lambda key: (reads.append(key), get_bytes(key))[1]
+    reader = History(history.store, "", "prod")
+    for _ in range(3):
+        assert (reader.champion(), reader.previous_champion()) == (B, A)
+    assert sorted(reads) == [history.key(1), history.key(2)]
+    history.append(promotion(C, B))  # another writer: what it wrote it knows, and does not read back
+    assert reads[2:] == []
+    assert reader.champion() == C and reads[2:] == [history.key(3)]
+
+
 def test_a_record_decided_against_another_champion_is_a_conflict(history: History) -> None:
     history.append(promotion(A, None))
     history.append(promotion(B, A))
