@@ -129,18 +129,41 @@ class Measured(NamedTuple):
     stdout: str  # with capture=True, else ""
 
 
+# ru_maxrss of a child keeps the high-water mark of the process it was started from (Linux carries the
+# old memory's peak over at exec, and Python's subprocess starts children with vfork): a test worker that
+# had once held 600 MiB made every command it ran "peak" at 600 MiB. So a fresh interpreter without
+# site-packages (about 10 MiB: the floor of every figure) starts the command and reports the command's
+# own wall time and wait4 figures.
+_LAUNCHER = """
+import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    except OSError as e:
+        os.write(2, f"{sys.argv[2]}: {e}\\n".encode())
+    os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump([time.perf_counter() - t0, usage.ru_maxrss, usage.ru_utime + usage.ru_stime], f)
+sys.exit(min(abs(os.waitstatus_to_exitcode(status)), 255))
+"""
+
+
 def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, capture: bool = False) -> Measured:
-    """Run a command in a process of its own and measure it; a failure stops the benchmark with its stderr."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out if capture else subprocess.DEVNULL, stderr=err, env=env, cwd=cwd)
-        _, status, usage = os.wait4(proc.pid, 0)
-        secs = time.perf_counter() - t0
-        if os.waitstatus_to_exitcode(status) != 0:
+    """Run a command in a process of its own and measure it (wall, its own peak RSS, CPU); a failure stops
+    the benchmark with its stderr."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".json") as figures:
+        proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, figures.name, *cmd], cwd=cwd, env=env,
+                              stdout=out if capture else subprocess.DEVNULL, stderr=err, check=False)
+        if proc.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode()[-4000:]}")
+        secs, maxrss_kib, cpu_s = json.load(figures)
         out.seek(0)
-        return Measured(secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, out.read().decode())
+        return Measured(secs, maxrss_kib / 1024, cpu_s, out.read().decode())
 
 
 def python() -> str:

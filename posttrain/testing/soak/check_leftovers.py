@@ -20,18 +20,23 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from posttrain.testing.soak.check_context import Context
 from posttrain.testing.soak.check_history import gateway_get
 from posttrain.testing.soak.check_model import CheckResult, finite
 from posttrain.testing.soak.check_store import DEPLOYMENT_LEASE_RE, GC_LEASE_RE, RUN_KEY_RE
+from posttrain.testing.soak.operator import ROUND_TIMEOUT_S
+from posttrain.trainer.rounds import HEARTBEAT_FILE
 
 SERVICES = ("posttrain serve", "posttrain.serve", "prefect server", "prefect worker", "prefect.server",
             "weed ", "faultproxy", "fault_proxy", "postgres", "slurmd", "slurmctld", "slurmdbd", "soak_check")
 JOB_KEYS = {"job_id", "run_id", "name", "backend", "output_dir"}
 INFO_RE = re.compile(r'^posttrain_replica_snapshot_info\{([^}]*)\}\s+(\S+)', re.M)
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+# A trainer past its round timeout sees it at its next look at the heartbeat and exits: this long at most
+TRAINER_EXIT_S = 30.0
 
 
 def check_leftovers(ctx: Context) -> CheckResult:
@@ -102,21 +107,44 @@ def _under(path: str, roots: list[Path]) -> bool:
     return any(path == str(r) or path.startswith(str(r) + "/") for r in roots)
 
 
+def _still_runs(job: dict) -> str | None:
+    """How the job of a marker still runs (read now), or None when it has ended."""
+    if job.get("backend") == "local" and finite(job.get("pgid")) and job["pgid"] > 1:
+        try:
+            os.killpg(int(job["pgid"]), 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return f"process group {job['pgid']}"
+    if job.get("backend") == "slurm":
+        queued = {line.split("|", 1)[0]: line for line in _squeue() or []}
+        if str(job.get("job_id")) in queued:
+            return f"in squeue: {queued[str(job['job_id'])]}"
+    return None
+
+
 def _jobs(res: CheckResult, roots: list[Path]) -> None:
-    queue = _squeue()
-    queued = {line.split("|", 1)[0]: line for line in queue or []}
     for path, job in _markers(roots):
         res.items += 1
-        if job.get("backend") == "local" and finite(job.get("pgid")) and job["pgid"] > 1:
-            try:
-                os.killpg(int(job["pgid"]), 0)
-            except ProcessLookupError:
+        how = _still_runs(job)
+        heartbeat = path.parent / "rounds" / HEARTBEAT_FILE
+        if how is not None and heartbeat.is_file():
+            # A GRPO run's resident trainer outlives a run that failed, for a retry to continue it; the
+            # product's word is that it ends by itself round_timeout_s after the flow's last heartbeat.
+            # Held to that: waited for until then, a violation after.
+            deadline = heartbeat.stat().st_mtime + ROUND_TIMEOUT_S + TRAINER_EXIT_S
+            while how is not None and time.time() < deadline:
+                time.sleep(2.0)
+                how = _still_runs(job)
+            if how is None:
+                res.notes.append(f"the resident job {job.get('name')} ({path}) ended by itself "
+                                 f"{time.time() - heartbeat.stat().st_mtime:.0f}s after its flow's last heartbeat")
                 continue
-            except PermissionError:
-                pass
-            res.bad(f"local job {job.get('name')} ({path}) still runs: process group {job['pgid']}")
-        elif job.get("backend") == "slurm" and str(job.get("job_id")) in queued:
-            res.bad(f"Slurm job {job.get('job_id')} ({path}) is still in squeue: {queued[str(job['job_id'])]}")
+            how += f", {time.time() - heartbeat.stat().st_mtime:.0f}s after its flow's last heartbeat"
+        if how is not None:
+            res.bad(f"{job.get('backend')} job {job.get('name')} ({path}) still runs: {how}")
+    queue = _squeue()
     if queue is None:
         res.notes.append("squeue is not available: no Slurm jobs looked at")
         return

@@ -18,6 +18,9 @@ from posttrain.testing.soak.schedule import PlannedAction
 from posttrain.testing.soak.system import REPO, REWARDS, System
 
 MAX_STALENESS = 1
+# A resident trainer whose flow stopped beating (a run that failed or is not retried in time) ends this long
+# after the last beat; the checker holds it to that (check_leftovers)
+ROUND_TIMEOUT_S = 120
 GC_KEEP_RUNS = 2
 API_RETRY_S = 180.0  # how long a call to the Prefect API is retried (the server may be restarting)
 # A Crashed run is retried by the automation at once (docs/recovery.md): it counts as ended only once it has
@@ -40,7 +43,7 @@ def nightly_params(system: System) -> dict:
 
 def grpo_params() -> dict:
     return {**TRAINER, "reward_funcs": REWARDS, "rounds": 3, "prompts_per_round": 2, "shards": 1,
-            "round_timeout_s": 300, "max_staleness": MAX_STALENESS, "trainer_job": "resident"}
+            "round_timeout_s": ROUND_TIMEOUT_S, "max_staleness": MAX_STALENESS, "trainer_job": "resident"}
 
 
 def with_retries(call, what: str, rec: Recorder, budget_s: float = API_RETRY_S):
