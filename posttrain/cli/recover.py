@@ -26,7 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pending-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a run Pending this long (its flow-run process never reported Running) is set Crashed, "
                    "then retried; default 600")
-    p.add_argument("--every", type=float, default=30.0, metavar="SECONDS", help="seconds between sweeps, default 30")
+    p.add_argument("--heartbeat-timeout", type=float, default=90.0, metavar="SECONDS",
+                   help="a Running run of a deployment with no heartbeat this long is set Crashed, then retried; "
+                   "0: never (work pools without heartbeats); default 90; not with --once")
+    p.add_argument("--every", type=float, default=30.0, metavar="SECONDS", help="seconds between sweeps, default 30 "
+                   "(at most a third of --heartbeat-timeout)")
     p.add_argument("--lookback", type=float, default=24.0, metavar="HOURS",
                    help="runs that crashed longer ago are left alone, default 24")
     p.add_argument("--tag", default=TAG, help=f"sweep only flow runs with this tag, default {TAG}")
@@ -44,15 +48,21 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from posttrain.pipeline.deployments.recovery import RecoveryConfig, run
 
     flags = {"retries": "--retries", "pending_timeout_s": "--pending-timeout", "every_s": "--every",
-             "lookback_h": "--lookback", "tag": "--tag"}
+             "lookback_h": "--lookback", "tag": "--tag", "heartbeat_timeout_s": "--heartbeat-timeout"}
     try:
         cfg = RecoveryConfig(retries=args.retries, pending_timeout_s=args.pending_timeout, every_s=args.every,
-                             lookback_h=args.lookback, tag=args.tag)
+                             lookback_h=args.lookback, tag=args.tag, heartbeat_timeout_s=args.heartbeat_timeout)
     except ValidationError as e:
         err = e.errors()[0]
-        raise UsageError(f"{flags.get(str(err['loc'][0]), err['loc'][0])} {err['input']}: {err['msg']}") from None
+        if not err["loc"]:  # a rule across fields: its message names them
+            raise UsageError(err["msg"].removeprefix("Value error, ").replace("every_s", "--every").replace(
+                "heartbeat_timeout_s", "--heartbeat-timeout")) from None
+        raise UsageError(f"{flags.get(str(err['loc'][0]), err['loc'][0])} {err['input']}: "
+                         f"{err['msg'].removeprefix('Value error, ')}") from None
+    silent = (f"no heartbeat for {cfg.heartbeat_timeout_s:.0f} s is Crashed" if cfg.heartbeat_timeout_s
+              else "no heartbeat rule")
     print(f"posttrain recover: runs tagged {cfg.tag}; at most {cfg.retries} retries per run; Pending for "
-          f"{cfg.pending_timeout_s:.0f} s is Crashed; a sweep every {cfg.every_s:.0f} s", flush=True)
+          f"{cfg.pending_timeout_s:.0f} s is Crashed; {silent}; a sweep every {cfg.every_s:.0f} s", flush=True)
     try:
         # what it prints quotes the API's errors and the runs' crash messages: scrubbed of credentials
         asyncio.run(run(cfg, once=args.once, say=lambda line: print(redact.scrub(line), flush=True)))

@@ -180,6 +180,51 @@ def test_a_run_is_changed_only_from_the_state_the_sweep_read_and_a_stuck_pending
     assert stuck_now.state.name == "AwaitingRetry"
 
 
+async def _silent_and_beating(tag: str, timeout: float):
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+    from prefect.states import Pending, Running
+
+    cfg = RecoveryConfig(tag=tag, heartbeat_timeout_s=timeout, every_s=5)
+    async with get_client() as client:
+        silent, beating = await _new_run(client, tag), await _new_run(client, tag)
+        for run in (silent, beating):
+            await _set(client, run.id, Pending())
+            await _set(client, run.id, Running())
+        young = await sweep(client, cfg)  # Running for less than the timeout: too early to tell
+        await asyncio.sleep(timeout + 1)
+        emit_event(event=recovery.HEARTBEAT, resource={"prefect.resource.id": f"prefect.flow-run.{beating.id}"})
+        await _events(client, recovery.HEARTBEAT, beating.id, 1)  # stored (the event persister batches)
+        unwatched = await sweep(client, cfg, api_up_s=timeout / 2)  # its heartbeats could not land: no word
+        said = await sweep(client, cfg)
+        silent_now, beating_now = await client.read_flow_run(silent.id), await client.read_flow_run(beating.id)
+    return young, unwatched, said, silent_now, beating_now, str(silent.id)
+
+
+# The defect the chaos soak found on 2026-12-07 (seed 1): a flow-run process killed a second after it started,
+# the Prefect server restarted 18 s later; the unresponsive-runs automation's clock was lost with the restart,
+# and the run stayed Running for ever, holding its deployment's concurrency slot.
+@pytest.mark.usefixtures("no_old_automation")
+def test_a_running_run_without_heartbeats_is_crashed_then_retried_and_one_beating_is_left_alone():
+    young, unwatched, said, silent, beating, silent_id = asyncio.run(
+        _silent_and_beating(f"recover-{uuid.uuid4().hex[:8]}", 31.0))
+    assert young == [] and unwatched == []
+    assert [(a.did, a.flow_run_id) for a in said] == [("crashed", silent_id), ("retried", silent_id)], said
+    assert "No heartbeat for 31 s (it sent none in" in said[0].detail
+    assert silent.state.name == "AwaitingRetry" and beating.state.is_running()
+
+
+def test_the_heartbeat_rule_needs_sweeps_that_see_an_outage():
+    assert RecoveryConfig(heartbeat_timeout_s=0, every_s=600).heartbeat_timeout_s == 0  # off: any pace
+    for bad in ({"heartbeat_timeout_s": 30}, {"heartbeat_timeout_s": 90, "every_s": 31},
+                {"heartbeat_timeout_s": float("nan")}):
+        with pytest.raises(ValidationError):
+            RecoveryConfig(**bad)
+    out = subprocess.run([sys.executable, "-m", "posttrain", "recover", "--every", "40"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--every: 40 s is more than a third of --heartbeat-timeout (90 s)" in out.stderr
+
+
 # The defect the chaos soak found (seed 1, docs/reliability.md): the automation that retried Crashed
 # runs never saw a Crashed event that came just after a server restart (Prefect held it for the
 # Running event it follows, which the restarted server had not seen). A server of this test's own,

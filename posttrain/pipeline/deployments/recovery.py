@@ -22,7 +22,16 @@ Each sweep, for the runs tagged ``posttrain``:
   person: docs/recovery.md);
 - a run **Pending** for ``pending_timeout_s`` (its worker submitted it, and its flow-run process
   never reported Running: killed while it started, or the database was down) is set Crashed,
-  which frees its deployment's concurrency slot; the next sweep retries it.
+  which frees its deployment's concurrency slot; the next sweep retries it;
+- a run **Running** (of a deployment) whose newest ``prefect.flow-run.heartbeat`` event, or its
+  Running state when it sent none, is older than ``heartbeat_timeout_s`` is set Crashed, and the
+  next sweep retries it. This is the unresponsive-runs automation's rule (``unresponsive.py``), read
+  from the stored events instead of held in a reactive trigger: a server restarted within the
+  timeout of a run's death forgot the trigger's clock, and the run stayed Running for ever, holding
+  its deployment's slot (the chaos soak, seed 1, 2026-12-07: a flow-run process killed a second
+  after it started, the server restarted 18 s later). Heartbeats cannot land while the API is
+  down, so the rule waits until this sweeper has reached the API for a whole timeout without a
+  failed sweep (and for that long after it starts).
 
 Each retry is a state in the run's history (``AwaitingRetry``, its message beginning
 ``RETRY_MARK``) and a ``posttrain.flow-run.retried`` event. The count of those states is the bound's
@@ -32,17 +41,21 @@ count, kept by Prefect and not by this process, so a restarted sweeper knows it.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 RETRY_MARK = "posttrain recover:"
 # the automation an earlier posttrain installed instead; prefect-setup deletes it, and its retries count
 OLD_AUTOMATION = "posttrain-retry-crashed-runs"
 DEFAULT_RETRIES = 3
+DEFAULT_HEARTBEAT_TIMEOUT_S = 90.0  # the unresponsive-runs automation's: three missed heartbeats
+HEARTBEAT_FREQUENCY_S = 30  # prefect.yaml's work pool (PREFECT_FLOWS_HEARTBEAT_FREQUENCY)
+HEARTBEAT = "prefect.flow-run.heartbeat"
 MAX_RETRIES = 20  # a run that crashes more than this needs a person, whatever the site says
 TAG = "posttrain"  # every deployment in prefect.yaml carries it
 PAGE = 200
@@ -58,16 +71,36 @@ class RecoveryConfig(BaseModel):
     pending_timeout_s: float = Field(600.0, gt=0,
                                      description="seconds a run may stay Pending (its flow-run process starting) "
                                                  "before it is set Crashed")
+    heartbeat_timeout_s: float = Field(DEFAULT_HEARTBEAT_TIMEOUT_S, ge=0,
+                                       description="seconds a Running run may go without a heartbeat before it is "
+                                                   "set Crashed (0: never; work pools without heartbeats)")
     every_s: float = Field(30.0, gt=0, description="seconds between two sweeps")
     lookback_h: float = Field(24.0, gt=0, description="Crashed runs that ended longer ago are left alone")
     tag: str = Field(TAG, min_length=1, description="only flow runs with this tag are swept")
 
-    @field_validator("pending_timeout_s", "every_s", "lookback_h")
+    @field_validator("pending_timeout_s", "every_s", "lookback_h", "heartbeat_timeout_s")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError("must be a finite number of seconds or hours")
         return value
+
+    @field_validator("heartbeat_timeout_s")
+    @classmethod
+    def _beyond_heartbeats(cls, value: float) -> float:
+        if value != 0 and value <= HEARTBEAT_FREQUENCY_S:
+            raise ValueError(f"must be 0 (off) or longer than the {HEARTBEAT_FREQUENCY_S} s between a run's heartbeats, "
+                             "or every healthy run would be set Crashed")
+        return value
+
+    @model_validator(mode="after")
+    def _sweeps_see_outages(self) -> RecoveryConfig:
+        # an API outage between two sweeps goes unseen, and the heartbeats sent meanwhile are lost: with
+        # three sweeps per timeout an unseen outage costs a run one heartbeat at most
+        if self.heartbeat_timeout_s and self.every_s > self.heartbeat_timeout_s / 3:
+            raise ValueError(f"every_s: {self.every_s:g} s is more than a third of heartbeat_timeout_s "
+                             f"({self.heartbeat_timeout_s:g} s): sweep more often, or set heartbeat_timeout_s 0")
+        return self
 
 
 @dataclass(frozen=True)
@@ -141,6 +174,36 @@ async def _crash_stuck(client: Any, run: Any, cfg: RecoveryConfig) -> Action | N
     return Action(str(run.id), run.name, "crashed", message)
 
 
+async def _last_heartbeat(client: Any, run: Any, now: datetime) -> datetime | None:
+    """When the run's newest stored heartbeat occurred (since its Running state), or None."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    page = await client.read_events(filter=EventFilter(
+        occurred=EventOccurredFilter(since=run.state.timestamp - timedelta(seconds=5), until=now + timedelta(minutes=1)),
+        event=EventNameFilter(name=[HEARTBEAT]),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
+    ), limit=1)  # newest first: the filter's default order
+    return max((e.occurred for e in page.events), default=None)
+
+
+async def _crash_silent(client: Any, run: Any, cfg: RecoveryConfig, now: datetime) -> Action | None:
+    """Set Crashed a Running run that sent no heartbeat for ``heartbeat_timeout_s``."""
+    from prefect.states import Crashed
+
+    last = await _last_heartbeat(client, run, now)
+    since = last or run.state.timestamp
+    silent = (now - since).total_seconds()
+    if silent < cfg.heartbeat_timeout_s or await _still(client, run) is None:
+        return None
+    what = f"its last heartbeat was {silent:.0f} s ago" if last else f"it sent none in {silent:.0f} s Running"
+    message = (f"{RETRY_MARK} No heartbeat for {cfg.heartbeat_timeout_s:.0f} s ({what}): its flow-run process or "
+               "the worker running it was lost. It can be retried: the retried run finds its job.")
+    result = await client.set_flow_run_state(run.id, Crashed(message=message), force=False)
+    if result.status.value != "ACCEPT":
+        return None
+    return Action(str(run.id), run.name, "crashed", message)
+
+
 async def _retry(client: Any, run: Any, cfg: RecoveryConfig, left: set) -> Action | None:
     from prefect.states import AwaitingRetry
 
@@ -163,9 +226,10 @@ async def _retry(client: Any, run: Any, cfg: RecoveryConfig, left: set) -> Actio
     return Action(str(run.id), run.name, "retried", message)
 
 
-async def sweep(client: Any, cfg: RecoveryConfig, left: set | None = None) -> list[Action]:
+async def sweep(client: Any, cfg: RecoveryConfig, left: set | None = None, api_up_s: float = math.inf) -> list[Action]:
     """One sweep (see the module's docstring); ``left`` remembers the Crashed states already reported
-    as left for a person, so each is reported once per sweeper."""
+    as left for a person, so each is reported once per sweeper; ``api_up_s``: how long the API has
+    answered every sweep (the heartbeat rule waits for a whole timeout of it)."""
     from prefect.client.schemas.objects import StateType
 
     left = set() if left is None else left
@@ -174,6 +238,11 @@ async def sweep(client: Any, cfg: RecoveryConfig, left: set | None = None) -> li
     for run in await _runs(client, cfg, StateType.PENDING, None):
         if run.state is not None and _age_s(run.state, now) >= cfg.pending_timeout_s:
             actions.append(await _crash_stuck(client, run, cfg))
+    if cfg.heartbeat_timeout_s > 0 and api_up_s >= cfg.heartbeat_timeout_s:
+        for run in await _runs(client, cfg, StateType.RUNNING, None):
+            if (run.deployment_id is not None and run.state is not None
+                    and _age_s(run.state, now) >= cfg.heartbeat_timeout_s):
+                actions.append(await _crash_silent(client, run, cfg, now))
     if cfg.retries > 0:
         for run in await _runs(client, cfg, StateType.CRASHED, now - timedelta(hours=cfg.lookback_h)):
             if run.deployment_id is not None and run.state is not None:  # Prefect retries only a deployment's run
@@ -190,14 +259,18 @@ async def run(cfg: RecoveryConfig, *, once: bool = False, say=print) -> None:
     from prefect.client.orchestration import get_client
 
     left: set = set()
+    up_since = time.monotonic()  # heartbeats sent before this sweeper watched may not have landed
     while True:
         try:
             async with get_client() as client:
-                for action in await sweep(client, cfg, left):
+                # --once has watched nothing: no heartbeat rule (a run is not set Crashed on one look)
+                up_s = 0.0 if once else time.monotonic() - up_since
+                for action in await sweep(client, cfg, left, api_up_s=up_s):
                     say(f"{action.did} {action.flow_run_name} ({action.flow_run_id}): {action.detail}")
         except Exception as e:  # noqa: BLE001 - the API or its database away: try again at the next sweep
             if once:
                 raise
+            up_since = time.monotonic()
             say(f"sweep failed, trying again in {cfg.every_s:.0f} s: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
         if once:
             return
