@@ -48,13 +48,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from posttrain.pipeline.deployments.unresponsive import DEFAULT_TIMEOUT_S, HEARTBEAT_FREQUENCY_S
+
 
 RETRY_MARK = "posttrain recover:"
 # the automation an earlier posttrain installed instead; prefect-setup deletes it, and its retries count
 OLD_AUTOMATION = "posttrain-retry-crashed-runs"
 DEFAULT_RETRIES = 3
-DEFAULT_HEARTBEAT_TIMEOUT_S = 90.0  # the unresponsive-runs automation's: three missed heartbeats
-HEARTBEAT_FREQUENCY_S = 30  # prefect.yaml's work pool (PREFECT_FLOWS_HEARTBEAT_FREQUENCY)
+DEFAULT_HEARTBEAT_TIMEOUT_S = float(DEFAULT_TIMEOUT_S)  # the unresponsive-runs automation's: three missed heartbeats
 HEARTBEAT = "prefect.flow-run.heartbeat"
 MAX_RETRIES = 20  # a run that crashes more than this needs a person, whatever the site says
 TAG = "posttrain"  # every deployment in prefect.yaml carries it
