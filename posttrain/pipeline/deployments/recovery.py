@@ -162,17 +162,22 @@ async def _still(client: Any, run: Any) -> Any | None:
     return now_run if now_run.state is not None and now_run.state.id == run.state.id else None
 
 
-async def _crash_stuck(client: Any, run: Any, cfg: RecoveryConfig) -> Action | None:
+async def _crash(client: Any, run: Any, message: str) -> Action | None:
+    """Set ``run`` Crashed with ``message``, if it is still in the state the sweep read."""
     from prefect.states import Crashed
 
     if await _still(client, run) is None:
         return None
-    message = (f"{RETRY_MARK} Pending for more than {cfg.pending_timeout_s:.0f} s: its flow-run process never "
-               "reported Running (killed while it started, or the API or its database was down)")
     result = await client.set_flow_run_state(run.id, Crashed(message=message), force=False)
     if result.status.value != "ACCEPT":
         return None
     return Action(str(run.id), run.name, "crashed", message)
+
+
+async def _crash_stuck(client: Any, run: Any, cfg: RecoveryConfig) -> Action | None:
+    return await _crash(client, run, f"{RETRY_MARK} Pending for more than {cfg.pending_timeout_s:.0f} s: its flow-run "
+                                     "process never reported Running (killed while it started, or the API or its "
+                                     "database was down)")
 
 
 async def _last_heartbeat(client: Any, run: Any, now: datetime) -> datetime | None:
@@ -189,20 +194,14 @@ async def _last_heartbeat(client: Any, run: Any, now: datetime) -> datetime | No
 
 async def _crash_silent(client: Any, run: Any, cfg: RecoveryConfig, now: datetime) -> Action | None:
     """Set Crashed a Running run that sent no heartbeat for ``heartbeat_timeout_s``."""
-    from prefect.states import Crashed
-
     last = await _last_heartbeat(client, run, now)
-    since = last or run.state.timestamp
-    silent = (now - since).total_seconds()
-    if silent < cfg.heartbeat_timeout_s or await _still(client, run) is None:
+    silent = (now - (last or run.state.timestamp)).total_seconds()
+    if silent < cfg.heartbeat_timeout_s:
         return None
     what = f"its last heartbeat was {silent:.0f} s ago" if last else f"it sent none in {silent:.0f} s Running"
-    message = (f"{RETRY_MARK} No heartbeat for {cfg.heartbeat_timeout_s:.0f} s ({what}): its flow-run process or "
-               "the worker running it was lost. It can be retried: the retried run finds its job.")
-    result = await client.set_flow_run_state(run.id, Crashed(message=message), force=False)
-    if result.status.value != "ACCEPT":
-        return None
-    return Action(str(run.id), run.name, "crashed", message)
+    return await _crash(client, run, f"{RETRY_MARK} No heartbeat for {cfg.heartbeat_timeout_s:.0f} s ({what}): its "
+                                     "flow-run process or the worker running it was lost. It can be retried: the "
+                                     "retried run finds its job.")
 
 
 async def _retry(client: Any, run: Any, cfg: RecoveryConfig, left: set) -> Action | None:
