@@ -195,9 +195,16 @@ class System:
     def _bucket(self) -> None:
         import boto3
 
+        from botocore.exceptions import EndpointConnectionError
+
         self.bucket = self.name
-        client = boto3.client("s3", endpoint_url=os.environ["POSTTRAIN_S3_ENDPOINT"], region_name=REGION)
-        client.create_bucket(Bucket=self.bucket)
+        endpoint = os.environ["POSTTRAIN_S3_ENDPOINT"]
+        client = boto3.client("s3", endpoint_url=endpoint, region_name=REGION)
+        try:
+            client.create_bucket(Bucket=self.bucket)
+        except EndpointConnectionError:
+            raise RuntimeError(f"the S3 server at POSTTRAIN_S3_ENDPOINT={endpoint!r} does not answer: start the "
+                               "services first (scripts/services/start-s3.sh)") from None
 
     def store_args(self) -> list[str]:
         """The options of posttrain gc / rollback / history that name the soak's store (through the proxy)."""
