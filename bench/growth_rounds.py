@@ -74,10 +74,14 @@ def free_port() -> int:
 
 def measure_rounds(rounds: int, *, shards: int = 8, prompts_per_shard: int = 2, num_generations: int = 4,
                    max_completion_length: int = 8, port: int = 0, state_dir: Path | None = None,
-                   db: str = "postgres", live_window: int | None = None) -> list[dict]:
+                   db: str = "postgres", live_window: int | None = None, settle_s: float = 0.0,
+                   server_env: dict[str, str] | None = None) -> list[dict]:
     """One GRPO run of ``rounds`` rounds against servers of its own; one row per round (METRICS, and
     the DB rows by table). ``live_window``: the live artifacts' windows (the rounds table's latest
-    rows, the reward curve's points) instead of the product's, for a short run that should reach them."""
+    rows, the reward curve's points) instead of the product's, for a short run that should reach them.
+    ``settle_s``: at each round's end, wait until the database wrote nothing for this long (at most 8 times)
+    before reading it, so that the server's batched writes count in their own round; ``server_env``: more
+    settings for the Prefect server (its services' flush intervals)."""
     own_state = state_dir is None
     state = Path(tempfile.mkdtemp(prefix="posttrain-growth-rounds-")) if own_state else Path(state_dir)
     state.mkdir(parents=True, exist_ok=True)
@@ -86,7 +90,7 @@ def measure_rounds(rounds: int, *, shards: int = 8, prompts_per_shard: int = 2, 
     env = {**os.environ, **ENV, "POSTTRAIN_SERVICES_DIR": str(state), "PREFECT_UI": "0", "POSTTRAIN_PREFECT_DB": db,
            "PREFECT_PORT": str(port), "POSTTRAIN_PREFECT_DIR": str(state / "prefect"),
            "POSTTRAIN_POSTGRES_DIR": str(state / "postgres"), "POSTGRES_PORT": str(free_port()),
-           "POSTTRAIN_BIN_DIR": str(Path(python()).parent)}
+           "POSTTRAIN_BIN_DIR": str(Path(python()).parent), **(server_env or {})}
     for k in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL"):
         env.pop(k, None)
     scripts = ROOT / "scripts" / "services"
@@ -102,7 +106,7 @@ def measure_rounds(rounds: int, *, shards: int = 8, prompts_per_shard: int = 2, 
         out = state / "rounds.json"
         spec = {"rounds": rounds, "shards": shards, "prompts_per_shard": prompts_per_shard,
                 "num_generations": num_generations, "max_completion_length": max_completion_length,
-                "db": db, "state": str(state), "out": str(out), "live_window": live_window}
+                "db": db, "state": str(state), "out": str(out), "live_window": live_window, "settle_s": settle_s}
         subprocess.run([python(), __file__, json.dumps(spec)], check=True, cwd=ROOT,
                        env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
         return json.loads(out.read_text())
@@ -307,8 +311,9 @@ class RoundMeter:
     """Cumulative readings at each round's end; rows are their differences. The meter's own time (the
     database query, the folder walks) is left out of the rounds' wall time."""
 
-    def __init__(self, counter, artifacts: ArtifactBytes, folders: list[Path], store: Path) -> None:
+    def __init__(self, counter, artifacts: ArtifactBytes, folders: list[Path], store: Path, settle_s: float = 0.0) -> None:
         self.counter, self.artifacts, self.folders, self.store = counter, artifacts, folders, store
+        self.settle_s = settle_s
         self.rows: list[dict] = []
         self.last = self.reading()
         self.resumed = time.perf_counter()
@@ -319,6 +324,13 @@ class RoundMeter:
 
     def round_ended(self) -> None:
         ended = time.perf_counter()
+        if self.settle_s:  # the round's rows written, not left for the next round to count
+            seen = self.counter.totals()
+            for _ in range(8):
+                time.sleep(self.settle_s)
+                seen, before = self.counter.totals(), seen
+                if seen == before:
+                    break
         now = self.reading()
         tables = {t: n - self.last["db"].get(t, 0) for t, n in now["db"].items() if n - self.last["db"].get(t, 0)}
         self.rows.append({"round": len(self.rows) + 1, "wall_s": ended - self.resumed, "rss_mib": rss_mib(),
@@ -369,7 +381,8 @@ def child(spec: dict) -> None:
             rollout={"num_generations": spec["num_generations"], "max_completion_length": spec["max_completion_length"],
                      "reward_funcs": ["posttrain.rewards:length_reward", "posttrain.rewards:format_reward"]},
             trainer={"learning_rate": 1e-3, "use_cpu": True, "seed": 0, "report_to": ["none"]})
-        meter = RoundMeter(db_counter(spec["db"], Path(spec["state"])), ArtifactBytes(), [shared, jobs], store)
+        meter = RoundMeter(db_counter(spec["db"], Path(spec["state"])), ArtifactBytes(), [shared, jobs], store,
+                           settle_s=spec.get("settle_s") or 0.0)
         if spec.get("live_window"):
             report.LIVE_TABLE_ROWS = report.CURVE_POINTS = spec["live_window"]
         round_table = grpo_module.round_table

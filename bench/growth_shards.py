@@ -127,12 +127,26 @@ def prefect_api(api_url: str) -> Iterator[None]:
     os.environ["PREFECT_API_URL"] = api_url
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
-            yield
+            try:
+                yield
+            finally:
+                drain_prefect_queues()
     finally:
         if before is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = before
+
+
+def drain_prefect_queues(timeout: float = 60.0) -> None:
+    """Send what this process still queues for the server (task runs' state events, logs) before the
+    server stops: left queued, they were retried until the process exited, with a "Still processing
+    items" traceback in the test command's output."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (EventsWorker, APILogWorker):
+        service.drain_all(timeout=timeout, at_exit=False)
 
 
 class Db:

@@ -350,8 +350,9 @@ class HotLoadService:
                         before.identity or "the boot weights")
             with self._lock:
                 op.conditions.append(condition(reason, str(e)))
-            self._set(op, STATE_FAILED)
+            # the replicas' state before the operation's, as _finish does: whoever sees FAILED reads them READY
             self._set_replicas(REPLICA_READY, before.identity)
+            self._set(op, STATE_FAILED)
             if out is not None and out.exists():
                 shutil.rmtree(out, ignore_errors=True)
             if not isinstance(e, InjectedFault):
