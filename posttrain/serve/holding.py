@@ -181,41 +181,48 @@ class ReplicaChecks(ReplicaReadback):
         self._put_back(r, why, quiet=before)
 
     def _put_back(self, r: Replica, why: str, quiet: str | None = None) -> None:
-        """Put ``r`` back on the served version and check it (the caller holds ``r.lock``); a failure
-        whose reason is ``quiet`` (the one logged at the last probe) is not logged again."""
+        """Put ``r`` back on the served version and check it (the caller holds ``r.lock``): reloaded in place
+        when the engine can take it (seconds); a supervised engine whose reload fails, or leaves it on other
+        weights, is restarted (a minute for vLLM). A failure whose reason is ``quiet`` (the one logged at
+        the last probe) is not logged again."""
         try:
-            consumed = self._reload_or_restart(r)
-            self._reattach(r)
-            self._read_back(r, self._base_dir, consumed)
-            self._check_probe(r, self._base_dir, None)
-            label = read_label(r)
-            if label is not None and r.label is not None:
-                r.label = self._base_dir.name  # a reload names the weights after the folder
-            again = self._other_weights(r)
-            if again is not None:
-                raise EngineError(again)
-            r.error = None
-            log.info("%s is back on %s", r.name, self._served_name())
+            if not self._restart_needed(self._base_dir):
+                try:
+                    self._restore_checked(r, restart=False)
+                    return
+                except (EngineCallError, EngineError) as e:
+                    if r.process is None:
+                        raise
+                    log.warning("%s: reloading %s in place did not put it back (%s); restarting it", r.name,
+                                self._base_dir.name, e)
+            elif r.process is None:
+                raise EngineError(f"{self._base_dir.name} cannot be reloaded in place into {self.kind} (tied "
+                                  f"embeddings): restart it on {self._base_dir}")
+            self._restore_checked(r, restart=True)
         except Exception as e:  # noqa: BLE001 - reported as the replica's state
             r.error = f"{why}; putting it back on {self._served_name()} failed: {e}"
             if r.error != quiet:
                 log.warning("%s: %s", r.name, r.error)
 
-    def _reload_or_restart(self, r: Replica) -> dict | None:
-        """Switch ``r`` to the served folder: reloaded in place when the engine can take it (seconds), else
-        restarted when the gateway supervises it (a minute for vLLM); what the reload's loader read."""
-        if not self._restart_needed(self._base_dir):
-            try:
-                return self._switch(r, self._base_dir, restart=False)
-            except (EngineCallError, EngineError) as e:
-                if r.process is None:
-                    raise
-                log.warning("%s: reloading %s in place failed (%s); restarting it", r.name, self._base_dir.name, e)
-        elif r.process is None:
-            raise EngineError(f"{self._base_dir.name} cannot be reloaded in place into {self.kind} (tied "
-                              f"embeddings): restart it on {self._base_dir}")
-        r.process.restart(self._base_dir)
-        return None
+    def _restore_checked(self, r: Replica, restart: bool) -> None:
+        """Switch ``r`` to the served folder (in place, or by restarting its engine) and read back that it
+        holds it; an ``EngineError`` when it does not."""
+        consumed = None
+        if restart:
+            r.process.restart(self._base_dir)
+        else:
+            consumed = self._switch(r, self._base_dir, restart=False)
+        self._reattach(r)
+        self._read_back(r, self._base_dir, consumed)
+        self._check_probe(r, self._base_dir, None)
+        label = read_label(r)
+        if label is not None and r.label is not None:
+            r.label = self._base_dir.name  # a reload names the weights after the folder
+        again = self._other_weights(r)
+        if again is not None:
+            raise EngineError(again)
+        r.error = None
+        log.info("%s is back on %s", r.name, self._served_name())
 
     def _revive(self, r: Replica) -> None:
         """Restart a supervised engine that died on the version served now (the caller holds ``r.lock``)."""

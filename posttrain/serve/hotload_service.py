@@ -350,8 +350,7 @@ class HotLoadService:
                         before.identity or "the boot weights")
             with self._lock:
                 op.conditions.append(condition(reason, str(e)))
-            # the replicas' state before the operation's, as _finish does: whoever sees FAILED reads them READY
-            self._set_replicas(REPLICA_READY, before.identity)
+            self._set_replicas(REPLICA_READY, before.identity)  # before FAILED, as _finish: then read READY
             self._set(op, STATE_FAILED)
             if out is not None and out.exists():
                 shutil.rmtree(out, ignore_errors=True)

@@ -210,6 +210,11 @@ def test_a_supervised_replica_on_other_weights_is_reloaded_in_place_and_restarte
         engine.verify()
         assert supervisor.restarts == ["v1"] and server.folder == versions["v1"] and not server.broken
         assert engine.replica_errors() == {}
+        server.folder, server.break_on = versions["boot"], set()
+        server.reload = lambda folder: server.calls.append("ignored")  # answers 200, keeps the old weights
+        engine.verify()  # read back on other weights after the reload: restarted
+        assert server.calls[-2:] == ["ignored", "resume"] and supervisor.restarts == ["v1", "v1"]
+        assert server.folder == versions["v1"] and engine.replica_errors() == {}
     finally:
         engine.close()
 
