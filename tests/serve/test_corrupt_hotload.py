@@ -66,3 +66,24 @@ def test_random_byte_flips_never_reach_the_served_model(make_server, make_client
     assert api.complete(prompt=PROMPT, max_tokens=2)["snapshot_identity"] == d5.identity
     client.hot_load(chain.d2, base_identity=chain.d1)
     assert api.greedy() == chain.greedy[2]
+
+
+def test_whoever_sees_a_hot_load_failed_reads_its_replicas_back_on_the_served_version(
+        make_server, make_client, chain, store_copy):
+    """The replicas' state is set before the operation's FAILED (a client that read FAILED then read the
+    replicas LOADING: the vLLM-at-a-URL test, CI 2026-12-07)."""
+    server = make_server(store=store_copy)
+    seen: list[list[str]] = []
+    service, set_state = server.service, server.service._set
+
+    def recording(op, state):
+        if state == STATE_FAILED:
+            seen.append([r.state for r in service.replica_states()])
+        set_state(op, state)
+
+    service._set = recording
+    first = sorted((store_copy / PREFIX / chain.full).iterdir())[0]
+    flip(first, 0, 0xFF)
+    with pytest.raises(HotLoadFailed):
+        make_client(server, fallback_to_full=False).hot_load(chain.full)
+    assert seen == [["READY"]]

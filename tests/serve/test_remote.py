@@ -234,3 +234,20 @@ def test_an_engine_failing_requests_is_a_503_and_its_replica_is_checked_again(ve
         engine.complete({"model": "m", "prompt": [[1, 2]], "max_tokens": 1})
     assert again.value.status == 503
     engine.close()
+
+
+def test_an_adapter_is_loaded_again_only_into_an_engine_that_no_longer_serves_it(versions):
+    """After a restart the engine has no adapter: it is loaded again. After an in-place reload of the base
+    it still serves it, and vLLM refuses a second load of the same name: not loaded again."""
+    server = Server(versions["boot"])
+    loaded: list[str] = []
+    server.served_models = lambda: ["m", *loaded]
+    server.load_adapter = lambda name, folder: loaded.append(name)
+    engine = _engine(versions, [server])
+    try:
+        engine._adapter = "adapter-1"
+        engine._reattach(engine.replicas[0])  # restarted: not served, loaded
+        engine._reattach(engine.replicas[0])  # reloaded in place: still served, left alone
+        assert loaded == ["adapter-1"]
+    finally:
+        engine.close()

@@ -222,3 +222,17 @@ def test_the_slurm_backend_trains_each_kind_on_a_valid_block_of_its_own(tmp_path
     assert config.nodes == 1 and config.gpus_per_node == 0 and config.launcher == "python"
     local = System(seed=1, root=tmp_path / "work2", rec=Recorder(tmp_path / "out2"))
     assert local.cluster("nightly") == local.cluster("grpo") == f"posttrain-local-cluster/{local.name}"
+
+
+def test_a_store_that_does_not_answer_is_a_one_line_setup_error_without_its_password(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from posttrain.testing.soak.system import System
+
+    monkeypatch.setenv("POSTTRAIN_S3_ENDPOINT", "http://ops:s3cret-pw@127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "soak")  # as System.start sets them
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "soak")
+    with pytest.raises(RuntimeError, match="POSTTRAIN_S3_ENDPOINT=.* does not answer: start the services") as e:
+        System._bucket(SimpleNamespace(name="soak-test"))
+    assert "s3cret-pw" not in str(e.value) and "\n" not in str(e.value)

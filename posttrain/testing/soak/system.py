@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from posttrain import redact
 from posttrain.testing.soak import ACCESS_KEY_ENV, ROLES, SECRET_KEY_ENV, TOKEN_ENV
 from posttrain.testing.soak.processes import Supervised
 from posttrain.testing.soak.proxy import StoreFront
@@ -203,8 +204,8 @@ class System:
         try:
             client.create_bucket(Bucket=self.bucket)
         except EndpointConnectionError:
-            raise RuntimeError(f"the S3 server at POSTTRAIN_S3_ENDPOINT={endpoint!r} does not answer: start the "
-                               "services first (scripts/services/start-s3.sh)") from None
+            raise RuntimeError(f"the S3 server at POSTTRAIN_S3_ENDPOINT={redact.scrub(endpoint)!r} does not answer: "
+                               "start the services first (scripts/services/start-s3.sh)") from None
 
     def store_args(self) -> list[str]:
         """The options of posttrain gc / rollback / history that name the soak's store (through the proxy)."""
