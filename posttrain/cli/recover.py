@@ -14,7 +14,7 @@ import argparse
 
 # posttrain.pipeline.deployments.recovery's defaults, written here: parsing must not import pydantic
 # (tests/chain/test_cli.py); tests/pipeline/test_recover.py checks they agree
-DEFAULT_RETRIES, MAX_RETRIES, TAG = 3, 20, "posttrain"
+DEFAULT_RETRIES, MAX_RETRIES, TAG, DEFAULT_HEARTBEAT_TIMEOUT_S = 3, 20, "posttrain", 90.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pending-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a run Pending this long (its flow-run process never reported Running) is set Crashed, "
                    "then retried; default 600")
-    p.add_argument("--heartbeat-timeout", type=float, default=90.0, metavar="SECONDS",
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
                    help="a Running run of a deployment with no heartbeat this long is set Crashed, then retried; "
-                   "0: never (work pools without heartbeats); default 90; not with --once")
+                   f"0: never (work pools without heartbeats); default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}; not with --once")
     p.add_argument("--every", type=float, default=30.0, metavar="SECONDS", help="seconds between sweeps, default 30 "
                    "(at most a third of --heartbeat-timeout)")
     p.add_argument("--lookback", type=float, default=24.0, metavar="HOURS",

@@ -39,8 +39,8 @@ def test_the_settings_are_checked_before_anything_is_swept():
 def test_the_commands_defaults_are_the_sweepers():
     from posttrain.cli import recover as cli
 
-    assert (cli.DEFAULT_RETRIES, cli.MAX_RETRIES, cli.TAG) == (recovery.DEFAULT_RETRIES, recovery.MAX_RETRIES,
-                                                               recovery.TAG)
+    assert (cli.DEFAULT_RETRIES, cli.MAX_RETRIES, cli.TAG, cli.DEFAULT_HEARTBEAT_TIMEOUT_S) == (
+        recovery.DEFAULT_RETRIES, recovery.MAX_RETRIES, recovery.TAG, recovery.DEFAULT_HEARTBEAT_TIMEOUT_S)
 
 
 def test_recover_refuses_a_bad_flag_naming_it():
