@@ -37,15 +37,17 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 pytest_plugins = [
     "tests.support.cluster",
     "tests.support.prometheus",
+    "tests.support.real_model",
     "tests.support.s3",
     "tests.support.serving",
     "tests.support.tensors",
     "tests.support.training",
 ]
 
-# Fixtures that reach a service the test command starts (or that start one themselves).
+# Fixtures that reach a service the test command starts (or that start one themselves); the real model
+# counts as one: the test command prepares it, and a first use elsewhere downloads it.
 SERVICE_FIXTURES = {"slurm_cluster", "slurm_cluster_2nodes", "seaweedfs_endpoint", "seaweedfs_bucket", "prefect_api",
-                    "prometheus"}
+                    "prometheus", "real_model_dir"}
 # The suite's Prefect server: its tests run one after another in one xdist worker.
 ORCHESTRATION_FIXTURES = {"prefect_api"}
 ORCHESTRATION = "orchestration"

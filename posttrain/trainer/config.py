@@ -152,6 +152,12 @@ class TrainerConfig(BaseModel):
         "output_dir (output_dir/../tensorboard), which every job of a run shares.",
     )
     bf16: bool = Field(False, description="Train in bfloat16 (needs a GPU or a CPU with bf16 support).")
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Dtype of the weights each checkpoint saves (what is published and served); auto: the "
+        "base model's (config.json's dtype), so a bfloat16 model trained in float32 is saved in bfloat16, not at "
+        "twice its size. When it is coarser than the training dtype, step and resident checkpoints also keep the "
+        "float32 weights (master-weights.pt) that the next step or a resume goes on from.",
+    )
     use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present.")
     gradient_checkpointing: bool = Field(False, description="grpo: trade compute for activation memory.")
     lora: LoraSettings | None = Field(

@@ -18,12 +18,14 @@ import shutil
 import threading
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from posttrain.datasets.staging import read_staged_rows
 from posttrain.lora.adapter import BaseRef, base_fingerprint, write_base_ref
 from posttrain.rollouts.scoring import finite_rewards, load_reward_funcs
-from posttrain.trainer import distributed, timeline
+from posttrain.trainer import distributed, precision, timeline
 from posttrain.trainer.checkpoints import (
     IncompleteCheckpoint,
     checkpoint_dirs,
@@ -42,7 +44,6 @@ RESUME_FILES = ("optimizer.pt", "scheduler.pt")
 
 
 def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResult:
-    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
@@ -80,7 +81,9 @@ def run_grpo(config: TrainerConfig, stop_event: threading.Event) -> TrainingResu
     stopper = StopOnRequest(stop_event)
     base_ref = lora_base_ref(config)
     report_to, trackers = grpo_reporting(config, is_main=int(os.environ.get("RANK", "0")) == 0)
-    trainer = rank0_writes(trainer_class(GRPOTrainer, base_ref))(
+    save_dtype = precision.resolve_save_dtype(config.save_dtype, config.model_name_or_path) \
+        if Path(config.model_name_or_path).is_dir() else None  # a hub id: saved as trained
+    trainer = rank0_writes(trainer_class(GRPOTrainer, base_ref, save_dtype))(
         model=model,
         reward_funcs=reward_funcs,
         args=grpo_arguments(config, report_to=report_to),
@@ -146,19 +149,44 @@ def lora_base_ref(config: TrainerConfig) -> BaseRef | None:
     return BaseRef(path=str(base), fingerprint=base_fingerprint(base))
 
 
-def trainer_class(cls, base_ref: BaseRef | None):
-    """``cls`` subclassed so that its saves write, in ``_save`` (after the weights, before
-    ``trainer_state.json``, which makes a checkpoint complete), the checkpoint's probe
-    (``posttrain.trainer.probe``) or, with LoRA, the base reference beside the adapter."""
+def trainer_class(cls, base_ref: BaseRef | None, save_dtype=None):
+    """``cls`` subclassed so that its saves write the weights in ``save_dtype`` (None: as trained; with
+    the float32 ones beside them when that is coarser, which a resume loads: ``posttrain.trainer.precision``)
+    and, in ``_save`` (after the weights, before ``trainer_state.json``, which makes a checkpoint
+    complete), the checkpoint's probe (``posttrain.trainer.probe``) on the weights as saved or, with
+    LoRA, the base reference beside the adapter."""
 
     class PosttrainTrainer(cls):
         def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-            super()._save(output_dir, state_dict)
             out = output_dir or self.args.output_dir
+            whole = self.args.should_save and _whole_model_in_memory(self, state_dict)
+            trained = next(self.model.parameters()).dtype
+            if base_ref is None and save_dtype is not None and whole and trained != save_dtype:
+                saved = precision.saved_model(self.model, save_dtype)
+                os.makedirs(out, exist_ok=True)
+                saved.save_pretrained(out)  # its config.json names the saved dtype, which engines load in
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(out)
+                torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+                if precision.is_coarser(save_dtype, trained):
+                    precision.save_master(self.model, Path(out))
+            else:
+                super()._save(output_dir, state_dict)
+                saved = self.model
             if base_ref is not None:
                 write_base_ref(out, base_ref)  # LoRA: no probe (see write_checkpoint_probe)
-            elif self.args.should_save and _whole_model_in_memory(self, state_dict):
-                write_checkpoint_probe(self.model, out)
+            elif whole and saved is self.model:
+                write_checkpoint_probe(saved, out)
+            elif whole:  # the folder as an engine loads it: a cast copy of TRL's model scored 0.004 off it
+                from transformers import AutoModelForCausalLM
+
+                write_checkpoint_probe(AutoModelForCausalLM.from_pretrained(out), out)
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            target = model if model is not None else self.model
+            if base_ref is None and next(target.parameters()).dtype == torch.float32:
+                precision.load_master(target, Path(resume_from_checkpoint))  # the weights as trained, not rounded
 
     PosttrainTrainer.__name__ = PosttrainTrainer.__qualname__ = f"Posttrain{cls.__name__}"
     return PosttrainTrainer

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.fsutil import publish_dir, staging_dir
 from posttrain.lora.adapter import BaseRef, LoraError, base_fingerprint, is_adapter_dir, read_adapter, write_base_ref
 from posttrain.rollouts.format import Rollout, RolloutError
-from posttrain.trainer import distributed
+from posttrain.trainer import distributed, precision
 from posttrain.trainer.checkpoints import TRAINER_STATE_FILE
 from posttrain.trainer.config import TrainerConfig
 from posttrain.trainer.grpo_math import (
@@ -122,7 +122,13 @@ def load_policy(model_dir: Path, config: TrainerConfig, dtype):
     if config.lora is None:
         if adapter_dir:
             raise StepError(f"model_name_or_path {str(model_dir)!r} is a LoRA adapter: set lora to train it")
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), None
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if dtype == torch.float32:  # a checkpoint saved coarser than it was trained: go on from its float32 weights
+            try:
+                precision.load_master(model, model_dir)
+            except ValueError as e:
+                raise StepError(str(e)) from None
+        return model, None
     from peft import PeftModel, get_peft_model
 
     if not adapter_dir:
@@ -249,12 +255,19 @@ def load_optimizer_state(optimizer, model_dir: Path, config: TrainerConfig) -> b
 
 
 def save_atomically(model, optimizer, model_dir: Path, target: Path, state: PolicyState,
-                     base_ref: BaseRef | None = None) -> None:
+                     base_ref: BaseRef | None = None, save_dtype: torch.dtype | None = None) -> None:
     """Write the checkpoint under a temporary name, sync it, then rename it into place. With LoRA,
-    ``save_pretrained`` writes the adapter only, and the base reference goes beside it."""
+    ``save_pretrained`` writes the adapter only, and the base reference goes beside it. The weights
+    are saved in ``save_dtype`` (None: as trained), with the float32 ones beside them when that is
+    coarser (``posttrain.trainer.precision``); the probe is computed on the weights as saved."""
+    saved = model
+    if base_ref is None and save_dtype is not None:
+        saved = precision.saved_model(model, save_dtype)
     # one writer per step: a staging folder left by a killed attempt is removed
     with staging_dir(target, clear_leftovers=True) as tmp:
-        model.save_pretrained(tmp)
+        saved.save_pretrained(tmp)
+        if saved is not model and precision.is_coarser(save_dtype, next(model.parameters()).dtype):
+            precision.save_master(model, tmp)
         if base_ref is not None:
             write_base_ref(tmp, base_ref)
         for name in TOKENIZER_FILES:
@@ -262,6 +275,6 @@ def save_atomically(model, optimizer, model_dir: Path, target: Path, state: Poli
                 shutil.copy2(model_dir / name, tmp / name)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         # rank 0's model is a full replica of the weights just saved (gradients are summed over ranks)
-        write_checkpoint_probe(model, tmp)  # before trainer_state.json, which completes the checkpoint
+        write_checkpoint_probe(saved, tmp)  # before trainer_state.json, which completes the checkpoint
         (tmp / TRAINER_STATE_FILE).write_text(state.model_dump_json(indent=2) + "\n")
         publish_dir(tmp, target, sync_files=True)

@@ -15,7 +15,7 @@ import torch
 from posttrain.lora.adapter import BaseRef
 from posttrain.rollouts.format import Rollout, RolloutError
 from posttrain.rollouts.scoring import group_advantages
-from posttrain.trainer import distributed, grpo_update, timeline  # grpo_update.<x> when called: tests replace some
+from posttrain.trainer import distributed, grpo_update, precision, timeline  # grpo_update.<x> when called: tests replace some
 from posttrain.trainer.config import TrainerConfig
 
 
@@ -62,6 +62,7 @@ class PolicyTrainer:
         self.global_step = 0
         self.policy_version = 0
         self.optimizer_restored = False
+        self.save_dtype: torch.dtype | None = None  # what checkpoints hold (config.save_dtype resolved at load)
 
     def load(self, model_dir: Path) -> None:
         """Load the policy of ``model_dir`` (weights, LoRA adapter, the optimizer state of a step checkpoint)."""
@@ -72,6 +73,8 @@ class PolicyTrainer:
         dtype = torch.bfloat16 if config.bf16 else torch.float32
         torch.manual_seed(config.seed)
         model, self.base_ref = grpo_update.load_policy(model_dir, config, dtype)
+        if self.save_dtype is None:  # the first folder loaded is the base (or its first checkpoint): its dtype
+            self.save_dtype = precision.resolve_save_dtype(config.save_dtype, model_dir)
         self.model = model.to(self.device)
         self.model.eval()  # no dropout: the ratio must compare the same function before and after the update
         if config.beta > 0 and self.ref_model is None:
@@ -138,5 +141,5 @@ class PolicyTrainer:
         if distributed.ranks().is_main:
             with timeline.current().span("save", step=state.global_step):
                 grpo_update.save_atomically(self.model, self.optimizer, self.tokenizer_dir, target, state,
-                                            self.base_ref)
+                                            self.base_ref, self.save_dtype)
         self.source = target
