@@ -16,10 +16,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "posttrain"
 FLOORS: dict[str, int] = {
     "posttrain": 0, "posttrain.fsutil": 0, "posttrain.errors": 0, "posttrain.redact": 0, "posttrain.rewards": 0,
     "posttrain.testing.crashpoints": 0,
-    "posttrain.storage": 1, "posttrain.cluster": 1,
+    "posttrain.storage": 1, "posttrain.cluster": 1, "posttrain.tasks": 1,
     "posttrain.chain": 2, "posttrain.datasets": 2, "posttrain.rollouts": 2, "posttrain.lora": 2,
     "posttrain.trainer": 3, "posttrain.models": 3, "posttrain.publish": 3, "posttrain.inference": 3,
-    "posttrain.promote": 3, "posttrain.promote.promoter": 4,
+    "posttrain.promote": 3, "posttrain.promote.sides": 4,
+    # promote and rollback, over the sides a promotion compares (a snapshot on staging, what production serves)
+    "posttrain.promote.promoter": 4.5,
     # gc keeps what the promotion histories need: it reads them, so it sits above promote.
     "posttrain.publish.gc": 4,
     "posttrain.runs": 4,

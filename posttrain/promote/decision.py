@@ -38,7 +38,9 @@ Before any of that: a candidate or champion that could not be evaluated (None) i
 fewer than ``min_prompts`` paired prompts is refused ("too few"); zero prompts, different prompt
 sets on the two sides, a prompt without exactly n rewards or a non-finite reward raise
 ``GateError`` (the eval is broken, not the candidate). With no champion at all (the deployment's
-first promotion) ``first_promotion`` accepts a candidate whose own eval is valid.
+first promotion) the champion is what production serves, its boot weights (``first_promotion:
+beat_boot``, the default: the same rule against them), or ``first_promotion`` accepts a candidate
+whose own eval is valid (``own_eval``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class GateConfig(BaseModel):
                       "same inputs give the same decision.")
     min_prompts: int = Field(8, ge=2, description="Fewest paired prompts the gate judges on; fewer is a refusal.")
     samples_per_prompt: int = Field(4, ge=1, description="Rewards (sampled completions) per prompt on each side.")
+    first_promotion: Literal["beat_boot", "own_eval"] = Field(
+        "beat_boot", description="A deployment's first candidate (its history has no champion): beat_boot holds "
+        "it to the rule against what production serves, its boot weights, evaluated on production itself, so "
+        "a run that made the model worse is never promoted; own_eval accepts it on its own eval alone (for a "
+        "production whose boot weights are no baseline, or that cannot be sampled).")
 
     @model_validator(mode="after")
     def _tail_is_sampled(self) -> GateConfig:
@@ -179,20 +186,21 @@ class Decision(BaseModel):
 
 
 def decide(config: GateConfig, candidate_rewards: Rewards | None, champion_rewards: Rewards | None, *,
-           candidate: str | None = None, champion: str | None = None) -> Decision:
+           candidate: str | None = None, champion: str | None = None, champion_name: str | None = None) -> Decision:
     """Judge the candidate against the champion on paired per-prompt rewards.
 
     ``None`` for a side means it could not be evaluated: a refusal. A deployment without any
-    champion goes through ``first_promotion`` instead, so that a missing champion eval is never
-    mistaken for a first promotion."""
+    champion goes through ``first_promotion`` instead (or, with ``first_promotion: beat_boot``,
+    here with ``champion`` None and ``champion_name`` saying what production serves), so that a
+    missing champion eval is never mistaken for a first promotion."""
     base = _base(config, candidate, champion)
+    named = champion_name or (f"the champion {champion}" if champion else "the champion")
     cand = None if candidate_rewards is None else _prompt_means("candidate", candidate_rewards, config)
     champ = None if champion_rewards is None else _prompt_means("champion", champion_rewards, config)
     if cand is None:
         return Decision(**base, reason="refused: the candidate could not be evaluated")
     if champ is None:
-        who = f"the champion {champion}" if champion else "the champion"
-        return Decision(**base, reason=f"refused: {who} could not be evaluated, so the candidate cannot be compared")
+        return Decision(**base, reason=f"refused: {named} could not be evaluated, so the candidate cannot be compared")
     _same_prompts(cand, champ)
     if (short := _too_few(config, len(cand))) is not None:
         return Decision(**base, prompts=len(cand), reason=short)
@@ -211,8 +219,9 @@ def decide(config: GateConfig, candidate_rewards: Rewards | None, champion_rewar
     accepted = lower > config.threshold  # both finite: every reward was checked finite
     sign = ">" if accepted else "<="
     bound = (f"margin {config.margin:g}" if config.rule == "superiority" else f"-margin {-config.margin:+g}")
-    reason = (f"{'accepted' if accepted else 'refused'}: the candidate's mean reward is {c.mean():.3f} vs the "
-              f"champion's {h.mean():.3f} over {len(ids)} prompts x {config.samples_per_prompt} samples; the "
+    whose = (champion_name + ("'" if champion_name.endswith("s") else "'s")) if champion_name else "the champion's"
+    reason = (f"{'accepted' if accepted else 'refused'}: the candidate's mean reward is {c.mean():.3f} vs "
+              f"{whose} {h.mean():.3f} over {len(ids)} prompts x {config.samples_per_prompt} samples; the "
               f"{config.confidence * 100:g}% lower bound of the difference is {lower:+.3f} {sign} {bound} "
               f"({config.rule})")
     return Decision(

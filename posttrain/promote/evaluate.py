@@ -113,9 +113,13 @@ def eval_digest(dataset_digest: str, settings: EvalSettings, prompts: int) -> st
 
 
 def evaluate(rows: list[dict[str, Any]], settings: EvalSettings, client: CompletionsClient, tokenizer, *,
-             identity: str, digest: str, progress: Callable[[int, int], None] | None = None) -> EvalResult:
-    """Sample and score ``rows`` on the deployment behind ``client``, which must serve ``identity``."""
+             identity: str, digest: str, progress: Callable[[int, int], None] | None = None,
+             served: str | None = "") -> EvalResult:
+    """Sample and score ``rows`` on the deployment behind ``client``, which must serve ``identity``
+    (or, when ``served`` is given other than "", answer as serving ``served``: None for its boot weights,
+    which no snapshot identity names)."""
     check_identity(identity)
+    expected = identity if served == "" else served
     t0 = time.perf_counter()
     funcs = load_reward_funcs(settings.reward_funcs)
     rows = eval_rows(rows, settings)
@@ -126,8 +130,9 @@ def evaluate(rows: list[dict[str, Any]], settings: EvalSettings, client: Complet
         reply = client.complete(ids, n=settings.samples_per_prompt, max_tokens=settings.max_tokens,
                                 temperature=settings.temperature, top_p=settings.top_p,
                                 seed=prompt_seed(settings.seed, i))
-        if reply.snapshot_identity != identity:
-            raise EvalError(f"expected replies from snapshot {identity}, but the deployment answered from "
+        if (reply.snapshot_identity or None) != (expected or None):
+            raise EvalError(f"expected replies from {f'snapshot {expected}' if expected else 'the boot weights'}, "
+                            f"but the deployment answered from "
                             f"{reply.snapshot_identity or 'an unknown snapshot'} (another hot-load meanwhile?)")
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in reply]
         completions = [[{"role": "assistant", "content": t}] for t in texts]

@@ -6,7 +6,9 @@ deployments' control planes) and a completions client (the staging deployment's 
 gone from the store); a retry of a run that decided already returns its record; the champion,
 then the candidate are evaluated on staging (a stored eval for the same digest is reused; an
 eval that fails makes its side ``None``, and the gate refuses saying which side and why); the
-gate decides. ``rollback``: the target is ``previous`` (the champion before the current one) or
+gate decides. With no champion in the history, the champion is what production serves, its boot
+weights, evaluated on production itself (``posttrain.promote.sides.eval_served``; the gate's
+``first_promotion: own_eval`` accepts a first candidate on its own eval instead). ``rollback``: the target is ``previous`` (the champion before the current one) or
 any identity of the store.
 
 Both decide, record and switch under production's lease (``posttrain.promote.lease``; another
@@ -32,8 +34,17 @@ from posttrain.chain.fetch import SnapshotError, SnapshotSource
 from posttrain.chain.format import check_identity
 from posttrain.inference.contract import HotLoader, HotLoadResult
 from posttrain.promote.decision import Decision, GateConfig, already_champion, decide, first_promotion
-from posttrain.promote.evaluate import EvalResult, EvalSettings, EvalStore, eval_digest, eval_rows, evaluate
+from posttrain.promote.evaluate import EvalResult, EvalSettings, EvalStore, eval_digest, eval_rows
 from posttrain.promote.history import History, Record, champions, effective
+from posttrain.promote.sides import (
+    Deployment,
+    PromotionError,
+    describe_snapshot,
+    eval_served,
+    eval_snapshot,
+    load_version,
+    served_name,
+)
 from posttrain.promote.lease import DEPLOYMENT_TTL, DeploymentBusy, DeploymentLease, holding
 from posttrain.publish.lease import live_gc_leases
 from posttrain.redact import scrub
@@ -43,10 +54,6 @@ from posttrain.storage import Store
 PREVIOUS = "previous"
 GC_WAIT = 1800.0  # how long an operation waits, holding its deployment, for gc to finish a run
 UNREAD = "(not read)"  # rollback's seen_champion when its caller read no champion beforehand
-
-
-class PromotionError(ValueError):
-    """Bad input to promote or rollback (an unknown identity, no earlier champion): nothing changed."""
 
 
 class OperationLost(Exception):
@@ -60,15 +67,6 @@ class SwitchFailed(Exception):
     def __init__(self, message: str, record: Record | None):
         super().__init__(message)
         self.record = record
-
-
-@dataclass
-class Deployment:
-    """A deployment as promotion sees it: its history name, its hot-loader, and (staging) its completions."""
-
-    name: str
-    loader: HotLoader
-    completions: Callable[[], CompletionsClient] | None = None
 
 
 @dataclass
@@ -95,46 +93,6 @@ class Rollback:
     record: Record
     served: HotLoadResult
     recorded_before: bool = False  # a retry: this run had recorded it already
-
-
-def describe_snapshot(store: Store, identity: str) -> tuple[str, str | None]:
-    """("full", None) or ("delta", base) of a snapshot in the store; ``PromotionError`` naming the
-    identity when the store has no such snapshot."""
-    try:
-        check_identity(identity)
-        with tempfile.TemporaryDirectory(prefix="posttrain-describe-") as tmp:
-            return SnapshotSource(store, "", Path(tmp)).describe(identity)
-    except FormatError as e:
-        raise PromotionError(str(e)) from None
-    except SnapshotError as e:
-        raise PromotionError(f"unknown identity {identity}: {e}") from None
-
-
-def load_version(loader: HotLoader, store: Store, identity: str) -> HotLoadResult:
-    """Make a deployment serve ``identity``, a snapshot of any chain in the store: a delta is named
-    with its own base, and the deployment rebuilds it from whatever it holds (docs/hotload-api.md)."""
-    kind, base = describe_snapshot(store, identity)
-    return loader.hot_load(identity, base_identity=base if kind == "delta" else None)
-
-
-def _eval_side(identity: str, deployment: Deployment, store: Store, rows: list[dict[str, Any]],
-               settings: EvalSettings, digest: str, tokenizer, results: EvalStore, *,
-               log: Callable[[str], None]) -> EvalResult:
-    stored = results.get(digest, identity)
-    if stored is not None:
-        log(f"{identity}: reusing its stored eval ({digest}): mean reward {stored.mean:.4f}")
-        return stored
-    load_version(deployment.loader, store, identity)
-    assert deployment.completions is not None, "the staging deployment needs completions"
-    client = deployment.completions()
-    try:
-        result = evaluate(rows, settings, client, tokenizer, identity=identity, digest=digest)
-    finally:
-        client.close()
-    log(f"{identity}: mean reward {result.mean:.4f} over {len(result.rewards)} prompts "
-        f"x {settings.samples_per_prompt} ({result.seconds:.1f}s)")
-    return results.put(result)
-
 
 
 def _one_line(e: BaseException) -> str:
@@ -276,6 +234,12 @@ def promote(*, store: Store, candidate: str, run: str | None, gate: GateConfig, 
     records = History(store, "", production.name).records()
     champion = (champions(records) or [None])[-1]
     check_champion(store, production.name, champion)
+    boot = champion is None and gate.first_promotion == "beat_boot"  # the champion: what production serves
+    if boot and production.completions is None:
+        raise PromotionError(f"production: deployment {production.name} has no champion yet, and its first candidate "
+                             "is compared with the weights it serves (gate_first_promotion beat_boot), but it has "
+                             "no completions endpoint to evaluate them on: give its block a gateway_url, or set "
+                             "gate_first_promotion own_eval")
     if champion == candidate:  # promoted already (a retry): production is made to serve it, nothing is recorded
         with _deployment_held(store, production, "promotion", run, **held) as (_, history):
             _check_unchanged(history, champion, candidate)
@@ -289,20 +253,23 @@ def promote(*, store: Store, candidate: str, run: str | None, gate: GateConfig, 
     evals: dict[str, EvalResult | None] = {}
     failures: dict[str, str] = {}
     for side, identity in (("champion", champion), ("candidate", candidate)):
-        if identity is None:
+        if identity is None and not boot:
             continue
         try:
-            evals[side] = _eval_side(identity, staging, store, chosen, settings, digest, tokenizer, results, log=log)
+            evals[side] = (eval_served(production, chosen, settings, digest, tokenizer, log=log) if identity is None
+                           else eval_snapshot(identity, staging, store, chosen, settings, digest, tokenizer, results,
+                                           log=log))
         except Exception as e:  # noqa: BLE001 - an eval that fails refuses the candidate, saying why
             # it goes into the history record and the event: a URL's credentials in it are masked
             evals[side], failures[side] = None, _one_line(e)
             log(f"the {side} {identity} could not be evaluated: {failures[side]}")
     cand, champ = evals.get("candidate"), evals.get("champion")
-    if champion is None:
+    if champion is None and not boot:
         decision = first_promotion(gate, cand.rewards if cand else None, candidate=candidate)
     else:
         decision = decide(gate, cand.rewards if cand else None, champ.rewards if champ else None,
-                          candidate=candidate, champion=champion)
+                          candidate=candidate, champion=champion,
+                          champion_name=served_name(champ) if boot else None)
     reason = decision.reason + "".join(f"; {side}: {why}" for side, why in failures.items())
     kind = "promotion" if decision.accepted else "refusal"
     with _deployment_held(store, production, "promotion", run, **held) as (lease, history):

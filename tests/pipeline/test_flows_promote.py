@@ -41,7 +41,7 @@ def promote(chain, tmp_path, candidate: str):
                          tokenizer=str(chain.models[0]), shared_dir=str(tmp_path / "shared"),
                          eval_dataset=str(write_eval_set(chain.models, tmp_path / "eval.jsonl")),
                          eval_reward_funcs=[REWARD], eval_samples_per_prompt=2, eval_max_tokens=6,
-                         eval_temperature=1e-6, return_state=True)
+                         eval_temperature=1e-6, gate_first_promotion="own_eval", return_state=True)
     assert state.is_completed(), state.message
     return state.result(), state.state_details.flow_run_id
 
@@ -106,7 +106,8 @@ def test_the_nightly_flows_last_step_promotes_what_staging_serves_with_the_runs_
         shared_dir=str(tmp_path / "shared"), store=STORE, inference=STAGING, promote_to=PROD,
         trainer={"reward_funcs": [REWARD], "max_steps": 1},
         promotion={"eval_dataset": str(write_eval_set(chain.models, tmp_path / "eval.jsonl")),
-                   "eval_samples_per_prompt": 2, "eval_max_tokens": 6, "eval_temperature": 1e-6})
+                   "eval_samples_per_prompt": 2, "eval_max_tokens": 6, "eval_temperature": 1e-6,
+                   "gate_first_promotion": "own_eval"})  # m0 is what production booted on: beat_boot refuses it
     rows = [{"step": 1, "snapshot": chain.d1, "served": chain.d1}, {"step": 2, "snapshot": chain.d2, "served": chain.full}]
     from prefect import flow
 

@@ -37,7 +37,8 @@ def tokenizer(chain):
 def gate_run(site, rows, tokenizer, candidate, *, gate=None, **eval_overrides):
     store, staging, production, _ = site
     settings = EvalSettings(**greedy_eval(**eval_overrides))
-    gate = gate or GateConfig(samples_per_prompt=settings.samples_per_prompt)
+    # own_eval: the first promotion of most tests sets a champion up; the boot weights' test asks for beat_boot
+    gate = gate or GateConfig(samples_per_prompt=settings.samples_per_prompt, first_promotion="own_eval")
     return promote(store=store, candidate=candidate, run="nightly-test", gate=gate, settings=settings, rows=rows,
                    dataset_digest="d" * 64, tokenizer=tokenizer, staging=staging, production=production)
 
@@ -50,7 +51,7 @@ def test_better_is_promoted_worse_refused_and_rollback_restores_the_previous_cha
     store, _, production, (staging_api, prod_api) = site
     history = History(store, "", "prod")
 
-    first = gate_run(site, rows, tokenizer, chain.d1)  # no champion yet: its own eval decides
+    first = gate_run(site, rows, tokenizer, chain.d1)  # no champion yet: its own eval decides (own_eval)
     assert first.promoted and first.record.kind == "promotion" and first.record.previous is None
     assert "first promotion" in first.decision.reason
     assert served(prod_api) == {chain.d1} and prod_api.greedy() == chain.greedy[1]
@@ -75,6 +76,38 @@ def test_better_is_promoted_worse_refused_and_rollback_restores_the_previous_cha
     assert served(prod_api) == {chain.d1} and prod_api.greedy(PROMPT) == chain.greedy[1]
     assert [r.kind for r in history.records()] == ["promotion", "promotion", "refusal", "rollback"]
     assert history.champion() == chain.d1 and history.previous_champion() is None
+
+
+def test_a_first_candidate_must_beat_the_boot_weights_production_serves(chain, site, rows, tokenizer):
+    store, _, production, (_, prod_api) = site
+    history = History(store, "", "prod")
+    beat_boot = GateConfig(samples_per_prompt=2)  # the default
+    same = gate_run(site, rows, tokenizer, chain.full, gate=beat_boot)  # m0: the very weights production booted on
+    assert not same.promoted and same.served is None, same.decision.reason
+    assert same.record.kind == "refusal" and same.record.previous is None
+    assert "vs production's boot weights' 0.000" in same.decision.reason and "lower bound" in same.decision.reason
+    assert same.champion_eval.identity == "boot-weights" and same.decision.champion is None
+    assert same.decision.difference == pytest.approx(0.0)  # the same weights answer the same, greedily
+    assert served(prod_api) == set() and history.champion() is None  # production untouched
+
+    better = gate_run(site, rows, tokenizer, chain.d2, gate=beat_boot)  # the eval's references: m2's answers
+    assert better.promoted, better.decision.reason
+    assert better.decision.lower_bound > 0 and better.decision.champion_mean < better.decision.candidate_mean
+    assert "boot weights" in better.decision.reason
+    assert served(prod_api) == {chain.d2} and history.champion() == chain.d2
+
+
+def test_a_first_promotion_needs_production_answering_unless_own_eval(chain, site, rows, tokenizer):
+    store, staging, production, (_, prod_api) = site
+    mute = Deployment("prod", production.loader)  # no completions: the boot weights cannot be evaluated
+    settings = EvalSettings(**greedy_eval())
+    kw = dict(store=store, candidate=chain.d2, run="nightly-test", settings=settings, rows=rows,
+              dataset_digest="d" * 64, tokenizer=tokenizer, staging=staging, production=mute)
+    with pytest.raises(PromotionError, match=r"no completions endpoint.*gate_first_promotion own_eval"):
+        promote(gate=GateConfig(samples_per_prompt=2), **kw)
+    assert History(store, "", "prod").records() == [] and served(prod_api) == set()  # nothing changed
+    done = promote(gate=GateConfig(samples_per_prompt=2, first_promotion="own_eval"), **kw)
+    assert done.promoted and "first promotion" in done.decision.reason
 
 
 def test_a_retried_promotion_records_nothing_twice(chain, site, rows, tokenizer):

@@ -73,7 +73,8 @@ def gate_run(site, rows, tokenizer, candidate, reward: str, run: str):
     store, staging, production, _ = site
     settings = EvalSettings(**greedy_eval(reward_funcs=[reward]))
     return promote(store=store, candidate=candidate, run=run, settings=settings, rows=rows,
-                   gate=GateConfig(samples_per_prompt=settings.samples_per_prompt), dataset_digest="d" * 64,
+                   gate=GateConfig(samples_per_prompt=settings.samples_per_prompt, first_promotion="own_eval"),
+                   dataset_digest="d" * 64,
                    tokenizer=tokenizer, staging=staging, production=production)
 
 

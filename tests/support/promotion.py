@@ -63,7 +63,8 @@ def served_identities(api, deployment: str) -> set[str]:
 @contextmanager
 def staging_and_production(chain, store_folder: Path, tmp_path: Path) -> Iterator[tuple]:
     """Staging and production reference servers on one store: yields (store, staging, production,
-    [staging api, production api]), the ``Deployment``s promotion takes (staging with completions)."""
+    [staging api, production api]), the ``Deployment``s promotion takes (both with completions: a first
+    candidate is compared with what production serves, evaluated there)."""
     from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
     from posttrain.promote.promoter import Deployment
     from posttrain.rollouts.client import CompletionsClient, CompletionsConfig
@@ -79,7 +80,8 @@ def staging_and_production(chain, store_folder: Path, tmp_path: Path) -> Iterato
         return CompletionsClient(CompletionsConfig(gateway_url=url, model="tiny", token=TOKEN))
 
     try:
-        yield (store, Deployment("staging", loaders[0], completions), Deployment("prod", loaders[1]),
+        yield (store, Deployment("staging", loaders[0], completions),
+               Deployment("prod", loaders[1], lambda: completions(servers[1].url)),
                [Api(s.url) for s in servers])
     finally:
         for x in (*loaders, store):

@@ -51,7 +51,7 @@ def evaluate_and_promote(candidate: str, run: str, promotion: PromotionSettings,
                        settings=promotion.eval_settings(reward_funcs), rows=rows, dataset_digest=digest,
                        tokenizer=AutoTokenizer.from_pretrained(tokenizer),
                        staging=_deployment(staging, stack, completions=True),
-                       production=_deployment(production, stack), log=logger.info)
+                       production=_deployment(production, stack, completions=True), log=logger.info)
     logger.info("%s", done.decision.reason)
     events.promotion_decided(run_name or run, production, done)
     return done

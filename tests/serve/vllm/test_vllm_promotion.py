@@ -119,7 +119,8 @@ def tokenizer(versions):
 def gate_run(site, rows, tokenizer, candidate):
     store, staging, production, *_ = site
     settings = EvalSettings(**greedy_eval(max_tokens=MAX_TOKENS))
-    gate = GateConfig(samples_per_prompt=settings.samples_per_prompt, min_prompts=PROMPTS)
+    # own_eval: the first promotion sets a champion up (tests/promote/test_promoter.py: the boot weights' rule)
+    gate = GateConfig(samples_per_prompt=settings.samples_per_prompt, min_prompts=PROMPTS, first_promotion="own_eval")
     return promote(store=store, candidate=candidate, run="nightly-test", gate=gate, settings=settings, rows=rows,
                    dataset_digest="d" * 64, tokenizer=tokenizer, staging=staging, production=production)
 
