@@ -38,10 +38,12 @@ def per_token_policy_loss(
     ref_logps: torch.Tensor | None = None,
     beta: float = 0.0,
 ) -> torch.Tensor:
-    """-min(r A, clip(r, 1-eps_low, 1+eps_high) A) * w + beta * KL, per token.
+    """-min(r A, clip(r, 1-eps_low, 1+eps_high) A) * w + beta * KL * r, per token.
 
     r = exp(new - old); ``advantages`` is per sequence [B]; ``is_weights`` are the (detached)
-    truncated importance weights; the KL is the k3 estimator against ``ref_logps``.
+    truncated importance weights; the KL is the k3 estimator against ``ref_logps``, times r as in
+    TRL's default ``use_bias_correction_kl`` (the unbiased reverse-KL gradient: r is 1 at the first
+    pass, but its gradient is not, so this changes the gradient whenever beta > 0).
     """
     ratio = torch.exp(new_logps - old_logps)
     adv = advantages.unsqueeze(-1)
@@ -52,7 +54,7 @@ def per_token_policy_loss(
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
         delta = ref_logps - new_logps
-        loss = loss + beta * (torch.exp(delta) - delta - 1)
+        loss = loss + beta * (torch.exp(delta) - delta - 1) * ratio
     return loss
 
 
