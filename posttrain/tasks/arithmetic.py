@@ -146,3 +146,11 @@ def accuracy(completions: Sequence, answer: Sequence, strict: bool = False) -> f
         got = bare_integer(text) if strict else extract_answer(text)
         hits += got is not None and got == expected
     return hits / len(texts)
+
+
+def answer_correct(completions: list, answer: list, **kwargs) -> list[float]:
+    """1.0 when the reply's answer (its last number) is exactly the reference, else 0.0: per completion,
+    what ``accuracy`` averages. The held-out eval's reward (the demo's gate judges on it)."""
+    texts = completion_texts("answer_correct", completions, answer=answer)
+    return [1.0 if extract_answer(text) == whole_number("answer_correct", "answer", i, ref) else 0.0
+            for i, (text, ref) in enumerate(zip(texts, answer, strict=True))]

@@ -298,3 +298,12 @@ def test_bad_references_are_clear_errors(func, column, value, message):
 def test_completions_that_are_not_text_are_type_errors(completions):
     with pytest.raises(TypeError, match=r"arithmetic_format: complet"):
         arithmetic_format(completions)
+
+
+def test_answer_correct_scores_each_reply_as_accuracy_averages_them():
+    from posttrain.tasks.arithmetic import accuracy, answer_correct
+
+    replies = ["81", "23 + 58 = 81", "82", "no idea", [{"role": "assistant", "content": "It is 81."}]]
+    scores = answer_correct(replies, ["81"] * 5)
+    assert scores == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert sum(scores) / len(scores) == accuracy(replies, ["81"] * 5)
