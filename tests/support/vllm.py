@@ -28,11 +28,21 @@ def require_vllm() -> None:
     pytest.skip(reason, allow_module_level=True)
 
 
-def vllm_model(path: Path, *, seed: int = 0, tied: bool = False) -> Path:
-    """A tiny float32 Qwen2 that vLLM's CPU build runs (head_dim 32), tied or not."""
+# vLLM 0.32's CPU build computes bfloat16 attention with AMX tiles where the CPU has them (Sapphire Rapids
+# and later, `amx_bf16` in lscpu), and that kernel dies of SIGILL in cpu_attention_with_kv_cache on the
+# smallest shapes: hidden 128 (4 heads, 2 KV), 192 (3, 1), 256 (4, 2) all killed the worker at the first
+# token, 384 (6 heads, 2 KV) and 576 (9, 3, as SmolLM2) served (measured 2026-12-07). A model served in
+# bfloat16, or at the default dtype ("auto": bfloat16 for a float32 checkpoint on the CPU), has this shape.
+BF16_SHAPE = {"hidden_size": 384, "num_heads": 6, "num_kv_heads": 2}
+FLOAT32_SHAPE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}
+
+
+def vllm_model(path: Path, *, seed: int = 0, tied: bool = False, shape: dict | None = None) -> Path:
+    """A tiny float32 Qwen2 that vLLM's CPU build runs, tied or not: head_dim 32 in float32
+    (``FLOAT32_SHAPE``, the default), ``shape=BF16_SHAPE`` for one that vLLM serves in bfloat16."""
     from posttrain.models.tiny import build_tiny_model
 
-    return build_tiny_model(path, seed=seed, hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied)
+    return build_tiny_model(path, seed=seed, tie_word_embeddings=tied, **(shape or FLOAT32_SHAPE))
 
 
 def perturbed(src: Path, dst: Path, seed: int, scale: float = 0.05) -> Path:

@@ -16,15 +16,16 @@ from posttrain.serve.vllm.process import VLLMProcessConfig
 from posttrain.testing import vllm_readback_faults as faults
 from tests.support.serving import PREFIX, Api
 from tests.support.updates import one_update
-from tests.support.vllm import served_greedy, vllm_model
+from tests.support.vllm import BF16_SHAPE, served_greedy, vllm_model
 from tests.support.vllm_gateway import vllm_gateway
 
 EMBEDDINGS = "model.embed_tokens.weight"
 
 
 def readback_chain(root: Path, dtype: str = "float32") -> dict:
-    """A boot model and the same model after one AdamW step at lr 1e-6 (``dtype``: how both are saved)."""
-    m0 = vllm_model(root / "m0")
+    """A boot model and the same model after one AdamW step at lr 1e-6 (``dtype``: how both are saved),
+    of a shape vLLM serves at the default dtype too (bfloat16 attention, ``BF16_SHAPE``)."""
+    m0 = vllm_model(root / "m0", shape=BF16_SHAPE)
     if dtype != "float32":
         m0 = one_update(m0, root / f"m0-{dtype}", lr=0.0, dtype=dtype)  # the boot weights in that dtype
     m1 = one_update(m0, root / "m1", lr=1e-6, dtype=dtype)

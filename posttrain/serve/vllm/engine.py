@@ -40,9 +40,8 @@ def open_vllm_engine(config: ServeConfig) -> RemoteEngine:
                 log.info("starting vLLM replica %d of %d at %s", i + 1, config.replicas, process.url)
                 try:
                     process.start(config.model_dir)
-                except EngineStartError as e:  # its first line says why; the log file holds the rest
-                    raise ValueError(f"vLLM replica {i} did not start: {str(e).splitlines()[0]} "
-                                     f"(its log: {process.log_file})") from None
+                except EngineStartError as e:  # its first lines say why (and the log's errors); the log holds the rest
+                    raise ValueError(f"vLLM replica {i} did not start: {e.reason} (its log: {process.log_file})") from None
     except BaseException:
         for r in replicas:
             if r.process is not None:

@@ -43,6 +43,7 @@ VLLM_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    "PYTHONFAULTHANDLER": "1",  # a process killed by a signal (SIGILL, SIGSEGV) logs where: the cause in its log
 }
 # Of the caller's environment, these would point vLLM's Python at the project's packages.
 DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
@@ -50,7 +51,9 @@ LOG_TAIL_LINES = 40
 # vLLM imports the readback extension by this name, from a folder of its own on its PYTHONPATH
 READBACK_MODULE = "posttrain_readback"
 READBACK_CLS = f"{READBACK_MODULE}.WeightReadback"
-ERROR_LINE = re.compile(r"\b[A-Za-z.]*(?:Error|Exception): .*")  # "RuntimeError: Unsupported CPU attention ..."
+# "RuntimeError: Unsupported CPU attention ...", and a worker killed by a signal, which Python's fault handler
+# names: "Fatal Python error: Illegal instruction" (vLLM's AMX attention on some shapes)
+ERROR_LINE = re.compile(r"\b[A-Za-z.]*(?:Error|Exception): .*|Fatal Python error: .*")
 
 
 def default_python() -> Path:
@@ -114,6 +117,7 @@ class EngineStartError(Exception):
 
     def __init__(self, message: str, log_tail: str = "") -> None:
         super().__init__(message + (f"\nlast lines of vLLM's log:\n{log_tail}" if log_tail else ""))
+        self.reason = "; ".join(message.splitlines())  # why, on one line: what the caller shows
         self.log_tail = log_tail
 
 

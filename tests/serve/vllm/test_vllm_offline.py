@@ -36,6 +36,25 @@ def test_start_refuses_a_taken_port(tmp_path: Path) -> None:
             proc.start(tmp_path)
 
 
+def test_a_worker_killed_by_a_signal_is_named_among_the_log_errors_and_the_reason_is_one_line(tmp_path: Path) -> None:
+    from posttrain.serve.vllm.process import VLLM_ENV
+
+    assert VLLM_ENV["PYTHONFAULTHANDLER"] == "1"  # else a worker killed by a signal leaves no line naming why
+    # what vLLM's log then holds when its worker dies of SIGILL in the AMX attention kernel
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(Worker pid=1) INFO loading model\n"
+        "Fatal Python error: Illegal instruction\n\n"
+        '  File ".../vllm/_custom_ops.py", line 3927 in cpu_attention_with_kv_cache\n'
+        "(EngineCore pid=2) ERROR RuntimeError: cancelled\n"
+    )
+    proc = VLLMProcess(VLLMProcessConfig(log_file=log))
+    assert proc.log_errors() == ["Fatal Python error: Illegal instruction", "RuntimeError: cancelled"]
+    error = EngineStartError("vLLM answers /health but cannot generate: 500\nerrors in its log: x", "tail")
+    assert error.reason == "vLLM answers /health but cannot generate: 500; errors in its log: x"
+    assert "tail" in str(error) and "\n" not in error.reason
+
+
 def test_config_forbids_unknown_fields() -> None:
     with pytest.raises(ValueError, match="extra"):
         VLLMProcessConfig(gpu=True)  # type: ignore[call-arg]
