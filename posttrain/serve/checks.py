@@ -73,6 +73,17 @@ def ties_embeddings(folder: Path) -> bool:
     return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
+def model_depth(folder: Path) -> int | None:
+    """The model's number of layers (``num_hidden_layers`` of its config), None where it does not say."""
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    layers = text.get("num_hidden_layers", config.get("num_hidden_layers"))
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
+
+
 class Gate:
     """Many requests at once, or one version switch alone: a switch waits for the requests in
     flight and holds new ones back, so every answer is stamped with the version that made it."""

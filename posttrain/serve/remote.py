@@ -42,7 +42,15 @@ from posttrain import redact
 from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
 from posttrain.lora.packed import is_packed_adapter
 from posttrain.serve.adapters import PEFT_DIR, BaseCheck, refuse_adapters, unpacked
-from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
+from posttrain.serve.checks import (
+    Gate,
+    Layout,
+    check_layout,
+    folder_layout,
+    model_depth,
+    same_weights,
+    ties_embeddings,
+)
 from posttrain.serve.completions import ACCEPTED, RequestError, parse_request
 from posttrain.serve.engine import EngineCallError, EngineError, Served
 from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, Replica, ReplicaChecks, read_label
@@ -261,7 +269,7 @@ class RemoteEngine(ReplicaChecks):
         scored_before = [self._score(r, seq) for seq in before.sequences()] if before is not None else None
         verdict = judge(scored, probe, scored_before, before, version=folder.name,
                         previous_version=previous.name if previous is not None else None,
-                        engine_dtype=self.engine_dtype)
+                        engine_dtype=self.engine_dtype, layers=model_depth(folder))
         if not verdict.ok:
             raise EngineError(f"{r.name}: {verdict.reason}")
         log.info("%s: probe of %s: %s", r.name, folder.name, verdict.reason)

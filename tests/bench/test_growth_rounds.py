@@ -43,8 +43,11 @@ def test_nothing_per_round_grows_with_the_round_number() -> None:
     # rows still land a flush late now and then (CI, 2026-12-07, before FLUSH_OFTEN: round 6 counted 4 rows,
     # rounds 7-8 157): the bound leaves room for one
     assert mean(rows, last, "db_rows") <= 1.3 * mean(rows, first, "db_rows") + 15, rows
-    # the live table and curve are as long from round LIVE on: only their digits change
-    assert mean(rows, last, "artifact_bytes") <= 1.05 * mean(rows, first, "artifact_bytes") + 64, rows
+    # the live table and curve are as long from round LIVE on: only their digits change, and the last round's
+    # rows say so (measured: rounds 4-8 sent 4214, 4022, 4211, 4020, 4399 B; another run's rounds 4-5 3916 B
+    # a round against 4203 B for 7-8, +7%). A table that kept every round would send one row more each round,
+    # three rows (of the LIVE the window shows) more from rounds 4-5 to 7-8: twice the table, past this bound
+    assert mean(rows, last, "artifact_bytes") <= 1.12 * mean(rows, first, "artifact_bytes") + 64, rows
     assert mean(rows, last, "folder_bytes") <= 1.1 * mean(rows, first, "folder_bytes") + 4096, rows
     assert mean(rows, last, "rss_mib") <= mean(rows, first, "rss_mib") + 64, rows
     assert all(r["db_rows"] > 0 and r["artifact_bytes"] > 0 for r in rows), rows  # it counted something

@@ -1,8 +1,11 @@
 """The real model (SmolLM2-135M-Instruct, bfloat16, 30 layers) through the loop's right-hand column:
 a GRPO step trained in float32 is saved in bfloat16, the base is published full and the step as a
-delta, and the reference server hot-loads both, reads them back by digest and accepts the probe
-(no correct snapshot refused; before the dtype work its first hot-load failed here), then serves the
-step's greedy answers exactly as transformers computes them on the checkpoint."""
+delta, and each engine hot-loads both, reads them back by digest and accepts the probe (no correct
+snapshot refused; before the dtype work the reference server's first hot-load failed here): the
+reference server then serves the step's greedy answers exactly as transformers computes them on the
+checkpoint, and vLLM (CPU build, bfloat16; the model's LM head is tied to its embeddings, so each
+hot-load restarts it on the rebuilt folder) serves the step, its answer to the arithmetic prompt
+transformers'."""
 
 from __future__ import annotations
 
@@ -14,8 +17,51 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytestmark = pytest.mark.slow
+TOKEN = "tok-real"
 
 PROMPTS = ["What is 12 + 9? Reply with only the number.", "What is 7 × 6? Reply with only the number."]
+
+
+@pytest.fixture(scope="module")
+def chain(real_model_dir, stepped):
+    """The base published full, the step as a delta against it (a folder store)."""
+    from posttrain.chain.writer import ChainWriter
+
+    root, checkpoint = stepped
+    writer = ChainWriter(root / "store" / "runs" / "real", run="real")
+    full = writer.add(real_model_dir, step=0)
+    delta = writer.add(checkpoint, base=real_model_dir, step=1)
+    return {"store": root / "store", "full": full, "delta": delta, "checkpoint": checkpoint}
+
+
+def serve_config(model_dir, root, **fields):
+    from pydantic import SecretStr
+
+    from posttrain.serve.serve_config import ServeConfig
+
+    return ServeConfig(model_dir=model_dir, port=0, deployment_id="real", store=str(root / "store"), prefix="runs/real",
+                       token=SecretStr(TOKEN), served_model_name="smollm2", idle_probe_interval_s=None, **fields)
+
+
+def hot_load_chain(server, chain) -> None:
+    """Hot-load the full snapshot, then the delta; a FAILED one (a probe or readback refusal) raises."""
+    from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
+
+    loader = CoreWeaveHotLoader(HotLoadConfig(api_url=server.url, deployment_id="real", token=TOKEN,
+                                              poll_interval=0.2, timeout=600, request_timeout=120))
+    try:
+        for identity, base in ((chain["full"].identity, None), (chain["delta"].identity, chain["full"].identity)):
+            assert loader.hot_load(identity, base_identity=base).identity == identity
+    finally:
+        loader.close()
+
+
+def chat_ids(model_dir, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -36,43 +82,53 @@ def stepped(real_model_dir, tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-def test_the_real_model_in_bfloat16_is_published_and_hot_loaded_full_and_delta(real_model_dir, stepped):
-    from pydantic import SecretStr
-    from transformers import AutoTokenizer
-
+def test_the_real_model_in_bfloat16_is_published_and_hot_loaded_full_and_delta(real_model_dir, stepped, chain):
     from posttrain.chain.safetensors_io import read_header
-    from posttrain.chain.writer import ChainWriter
-    from posttrain.inference.hotload import CoreWeaveHotLoader, HotLoadConfig
-    from posttrain.serve.serve_config import ServeConfig
     from posttrain.serve.server import InferenceServer
     from tests.support.serving import Api, local_greedy
 
     root, checkpoint = stepped
     assert {t.dtype for t in read_header(checkpoint / "model.safetensors").tensors.values()} == {"BF16"}
-    writer = ChainWriter(root / "store" / "runs" / "real", run="real")
-    full = writer.add(real_model_dir, step=0)
-    delta = writer.add(checkpoint, base=real_model_dir, step=1)
+    full, delta = chain["full"], chain["delta"]
     assert (full.kind, delta.kind) == ("full", "delta")
     assert delta.stored_bytes < 0.6 * full.stored_bytes  # one small step: most bf16 bits unchanged
 
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
-                                           return_dict=True)["input_ids"]
-    server = InferenceServer(ServeConfig(model_dir=real_model_dir, port=0, deployment_id="real", store=str(root / "store"),
-                                         prefix="runs/real", token=SecretStr("tok-real"), work_dir=root / "work",
-                                         served_model_name="smollm2", idle_probe_interval_s=None)).start()
-    loader = CoreWeaveHotLoader(HotLoadConfig(api_url=server.url, deployment_id="real", token="tok-real",
-                                              poll_interval=0.2, timeout=600, request_timeout=120))
+    prompt = chat_ids(real_model_dir, PROMPTS[0])
+    server = InferenceServer(serve_config(real_model_dir, root, work_dir=root / "work")).start()
     try:
+        hot_load_chain(server, chain)
         api = Api(server.url)
-        api.headers = {"Authorization": "Bearer tok-real"}
-        for identity, base in ((full.identity, None), (delta.identity, full.identity)):
-            done = loader.hot_load(identity, base_identity=base)  # FAILED (a probe refusal) raises
-            assert done.identity == identity
+        api.headers = {"Authorization": f"Bearer {TOKEN}"}
         reply = api.complete(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
         assert reply["snapshot_identity"] == delta.identity
-        expected = local_greedy(checkpoint, prompt, max_tokens=8)
-        assert reply["choices"][0]["token_ids"] == expected
+        assert reply["choices"][0]["token_ids"] == local_greedy(checkpoint, prompt, max_tokens=8)
     finally:
-        loader.close()
+        server.shutdown()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_hot_loads_the_real_model_full_and_delta_and_answers_as_transformers(real_model_dir, stepped, chain, tmp_path):
+    from posttrain.serve.server import InferenceServer
+    from posttrain.serve.vllm.process import VLLMProcessConfig
+    from tests.support.serving import Api, local_greedy
+    from tests.support.vllm import require_vllm
+
+    require_vllm()
+    root, checkpoint = stepped
+    config = serve_config(real_model_dir, root, work_dir=tmp_path / "work", engine="vllm",
+                          vllm=VLLMProcessConfig(log_file=tmp_path / "vllm.log", dtype="auto"))
+    prompt = chat_ids(real_model_dir, PROMPTS[0])
+    server = InferenceServer(config).start()
+    try:
+        assert server.engine.engine_dtype == "bfloat16"  # asked of vLLM: the model's own dtype
+        hot_load_chain(server, chain)  # each verified by digest and probe in bfloat16, none refused
+        api = Api(server.url)
+        api.headers = {"Authorization": f"Bearer {TOKEN}"}
+        reply = api.complete(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
+        assert reply["snapshot_identity"] == chain["delta"].identity
+        # vLLM's bfloat16 kernels are not transformers' bit for bit; the answer to the sum is the same
+        answer = reply["choices"][0]["token_ids"]
+        assert answer[:4] == local_greedy(checkpoint, prompt, max_tokens=8)[:4], (answer, reply["choices"][0]["text"])
+    finally:
         server.shutdown()

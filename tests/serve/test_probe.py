@@ -52,6 +52,29 @@ def test_tolerance_per_dtype():
         tolerance("int8")
 
 
+def test_a_deep_model_in_a_coarse_dtype_is_allowed_its_layers_spread(tmp_path):
+    from posttrain.serve.checks import model_depth
+
+    # SmolLM2-135M's 30 layers: vLLM's bfloat16 kernels were 0.269 from the trainer's probe
+    assert tolerance("bfloat16", layers=30) == pytest.approx(0.9)
+    assert tolerance("float16", layers=30) == pytest.approx(0.12)
+    assert tolerance("bfloat16", layers=2) == tolerance("bfloat16") == 0.1  # shallow: the dtype's floor
+    assert tolerance("float32", layers=30) == 1e-3  # float32 kernels agree at any depth
+    probe = make_probe(BASE, dtype="bfloat16")
+    assert not judge(shifted(BASE, 0.269), probe, None, None).ok  # as before, without the depth
+    verdict = judge(shifted(BASE, 0.269), probe, None, None, layers=30)
+    assert verdict.ok and "tolerance 0.9 for bfloat16 at 30 layers" in verdict.reason
+    assert not judge(shifted(BASE, 1.5), probe, None, None, layers=30).ok  # far weights are still refused
+    # an engine computing float32 weights in bfloat16 gets bfloat16's deep tolerance
+    assert judge(shifted(BASE, 0.269), make_probe(BASE), None, None, engine_dtype="bfloat16", layers=30).ok
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    assert model_depth(tmp_path) == 30
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 12}}))
+    assert model_depth(tmp_path) == 12
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": "30"}))
+    assert model_depth(tmp_path) is None and model_depth(tmp_path / "missing") is None
+
+
 # --- judge ---
 
 def test_judge_passes_answers_within_tolerance_without_a_previous_version():
