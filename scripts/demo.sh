@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv and run the main job end to end on the embedded defaults: a Prefect server on
 # 127.0.0.1, a local training process, a folder object store, the reference inference server and
-# a tiny model built here. The Prefect server keeps running afterwards, to look at the runs.
+# the real model (SmolLM2-135M-Instruct, prepared once into ~/.cache/posttrain/models; --model tiny:
+# a tiny model built here). The Prefect server keeps running afterwards, to look at the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

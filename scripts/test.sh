@@ -3,7 +3,7 @@
 # accounting, SeaweedFS S3, PostgreSQL and a Prefect server on it, Prometheus; vLLM's venv), run the whole test
 # suite, stop what it started.
 #   PYTEST_ARGS           extra pytest arguments (e.g. "-k chain -x")
-#   POSTTRAIN_TEST_WORKERS  pytest-xdist workers (default 2): the Prefect and Slurm tests run in one,
+#   POSTTRAIN_TEST_WORKERS  pytest-xdist workers (default 3): the Prefect and Slurm tests run in one,
 #                         one after another (tests/conftest.py); the other modules share the rest
 #   POSTTRAIN_PREFECT_DB  postgres (default here) or sqlite: the Prefect server's database
 set -euo pipefail
@@ -57,7 +57,7 @@ set +e
 # shellcheck disable=SC2086
 # --durations: the slowest tests close the report, where CI output is read (suite time is a budget);
 # --no-loadscope-reorder: the groups are handed out in tests/conftest.py's order (longest first)
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${POSTTRAIN_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --durations=25 ${PYTEST_ARGS:-} tests
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${POSTTRAIN_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder --durations=25 ${PYTEST_ARGS:-} tests
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -14,14 +14,20 @@ engine imports here; torch only inside :func:`score_with_model`.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from posttrain.chain.probe import PROBE_NAME, Probe, probe_bytes, read_probe
+from posttrain.serve.checks import model_depth
 
-__all__ = ["PROBE_NAME", "Probe", "Verdict", "completions_body", "judge", "parse_prompt_logprobs", "probe_bytes",
-           "read_probe", "score_with_model", "tolerance", "versions_distance"]
+log = logging.getLogger(__name__)
+
+__all__ = ["PROBE_NAME", "Probe", "Verdict", "completions_body", "judge", "judge_folder", "parse_prompt_logprobs",
+           "probe_bytes", "read_probe", "score_with_model", "tolerance", "versions_distance"]
 
 # The largest absolute difference allowed between an engine's logprob of a probe token and the
 # trainer's, by dtype of the weights. Measured on the tiny model (posttrain.models.tiny, seeds 0-2,
@@ -48,7 +54,7 @@ TOLERANCES = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.02}
 # at most over the 4x8 probe tokens, 0.009 a layer (the reference server, transformers again: 0.0).
 # Per layer, 3x that for bfloat16 (30 layers: 0.9), and float16's 3 more significant bits: 8x less.
 # A snapshot one small step from the last is then closer than the tolerance, and the probe cannot
-# tell the two apart: where the engine reads its weights back, the digests do (docs/readback.md); the
+# tell the two apart: where the engine reads its weights back, the digests do (docs/serving.md); the
 # probe still refuses an engine on weights far from the version's (another model, a stale LM head).
 PER_LAYER_TOLERANCES = {"bfloat16": 0.03, "float16": 0.004}
 
@@ -174,6 +180,27 @@ def judge(
                                   f"{tol:g} for {dtype}): it still holds {prev_name}'s weights", dist_new, tol, worst)
     return Verdict(True, f"the engine's answers are within {dist_new:.3g} of {name}'s (tolerance {tol:g} for {dtype})",
                    dist_new, tol, worst)
+
+
+def judge_folder(score: Callable[[tuple[list[int], int]], list[float]], folder: Path, previous: Path | None, *,
+                 engine_dtype: str | None = None) -> Verdict | None:
+    """:func:`judge` an engine on the probe the trainer stored in ``folder`` (and ``previous``'s, when it has
+    one): ``score`` gives the engine's teacher-forced logprobs of one probe sequence. The model's depth
+    comes from ``folder``'s config. None when ``folder`` has no probe (another producer's snapshot);
+    a malformed probe of ``folder`` raises ValueError naming the file, one of ``previous`` is not compared."""
+    probe = read_probe(folder)
+    if probe is None:
+        return None
+    try:
+        before = read_probe(previous) if previous is not None else None
+    except ValueError as e:
+        log.warning("not comparing with the previous version's probe: %s", e)
+        before = None
+    scored = [score(sequence) for sequence in probe.sequences()]
+    scored_before = [score(sequence) for sequence in before.sequences()] if before is not None else None
+    return judge(scored, probe, scored_before, before, version=folder.name,
+                 previous_version=previous.name if previous is not None else None,
+                 engine_dtype=engine_dtype, layers=model_depth(folder))
 
 
 def _refuse_non_finite(scored_new: list[list[float]], new: Probe, scored_previous: list[list[float]] | None,

@@ -42,20 +42,12 @@ from posttrain import redact
 from posttrain.chain.checkpoint import CONFIG_NAME, INDEX_NAME
 from posttrain.lora.packed import is_packed_adapter
 from posttrain.serve.adapters import PEFT_DIR, BaseCheck, refuse_adapters, unpacked
-from posttrain.serve.checks import (
-    Gate,
-    Layout,
-    check_layout,
-    folder_layout,
-    model_depth,
-    same_weights,
-    ties_embeddings,
-)
+from posttrain.serve.checks import Gate, Layout, check_layout, folder_layout, same_weights, ties_embeddings
 from posttrain.serve.completions import ACCEPTED, RequestError, parse_request
 from posttrain.serve.engine import EngineCallError, EngineError, Served
 from posttrain.serve.holding import DEFAULT_FINGERPRINT_TOLERANCE, Replica, ReplicaChecks, read_label
 from posttrain.serve.model_slot import recorded_version
-from posttrain.serve.probe import completions_body, judge, parse_prompt_logprobs, read_probe
+from posttrain.serve.probe import completions_body, judge_folder, parse_prompt_logprobs
 from posttrain.serve.readback import reads_back
 from posttrain.serve.stages import stage
 
@@ -257,19 +249,10 @@ class RemoteEngine(ReplicaChecks):
         answers of fixed prompts, computed on the weights it saved), and, when ``previous`` has one, that
         they are closer to this version's than to the previous one's. True when checked, False when
         ``folder`` has no probe (another producer's snapshot: the other checks stand alone)."""
-        probe = read_probe(folder)  # a malformed one raises ValueError naming the file
-        if probe is None:
+        verdict = judge_folder(lambda sequence: self._score(r, sequence), folder, previous,
+                               engine_dtype=self.engine_dtype)
+        if verdict is None:
             return False
-        try:
-            before = read_probe(previous) if previous is not None else None
-        except ValueError as e:
-            log.warning("not comparing with the previous version's probe: %s", e)
-            before = None
-        scored = [self._score(r, seq) for seq in probe.sequences()]
-        scored_before = [self._score(r, seq) for seq in before.sequences()] if before is not None else None
-        verdict = judge(scored, probe, scored_before, before, version=folder.name,
-                        previous_version=previous.name if previous is not None else None,
-                        engine_dtype=self.engine_dtype, layers=model_depth(folder))
         if not verdict.ok:
             raise EngineError(f"{r.name}: {verdict.reason}")
         log.info("%s: probe of %s: %s", r.name, folder.name, verdict.reason)
