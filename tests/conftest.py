@@ -3,7 +3,7 @@
 Tests that need a service (Slurm, SeaweedFS, a Prefect server, Prometheus) are marked ``services``:
 ``pytest -m "not services"`` is the fast subset that starts nothing.
 
-Under pytest-xdist (the test command runs ``-n 2 --dist loadgroup``) tests that share something are
+Under pytest-xdist (the test command runs ``-n 3 --dist loadgroup``) tests that share something are
 a group, run one after another in one worker:
 - orchestration: the tests of the suite's Prefect server (``prefect_api``: its process worker, the
   default blocks that point at this session's reference server), first;
@@ -24,7 +24,7 @@ import os
 import pytest
 
 # One OpenMP/MKL thread for torch in every test process and in what they start (trainers, flow runs, the
-# Prefect worker, Slurm jobs submitted from here, vLLM): the suite runs two xdist workers on two cores, and
+# Prefect worker, Slurm jobs submitted from here, vLLM): the suite runs three xdist workers on two cores, and
 # a tiny model's ops split over two threads that share a core with the other worker spin at every
 # barrier. Two sessions of the trainer tests side by side took 63 s with torch's default (a thread per
 # core), 32 s with one. Set before anything imports torch; a value the caller exported wins.
