@@ -23,7 +23,7 @@ plots docs/learning/*.png). No assertions.
 
     .venv/bin/python bench/learning.py [--modes per_round,resident,async1,async2,trl] [--seeds 0,1,2]
         [--rounds 30] [--prompts 4] [--num-generations 4] [--max-completion-length 32]
-        [--learning-rate 2e-5] [--eval-prompts 64] [--port 4331]
+        [--learning-rate 2e-5] [--save-dtype auto|float32] [--eval-prompts 64] [--port 4331]
 
 On 2 CPUs a round takes 10-25 s: the defaults (5 modes x 3 seeds x 30 rounds) run for about 3 hours.
 """
@@ -58,7 +58,7 @@ DATA = ROOT / "bench" / ".data" / "learning"
 
 def trainer_settings(args: argparse.Namespace) -> dict:
     return {"learning_rate": args.learning_rate, "loss_type": "dapo", "seed": args.seed, "use_cpu": True,
-            "report_to": ["none"]}
+            "report_to": ["none"], "save_dtype": args.save_dtype}
 
 
 def run_flow(args: argparse.Namespace, base: Path, dataset: Path, run_root: Path) -> tuple[list[dict], Path]:
@@ -210,6 +210,8 @@ def main() -> None:
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--max-completion-length", type=int, default=32)
     ap.add_argument("--learning-rate", type=float, default=2e-5)
+    ap.add_argument("--save-dtype", choices=["auto", "float32"], default="auto",
+                    help="the checkpoints' dtype (auto: the base's, bfloat16): what the flow's rounds sample from")
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--port", type=int, default=4331, help="the Prefect server's port")
     for hidden in ("--mode", "--seed", "--work", "--base", "--summary-json"):
@@ -248,7 +250,8 @@ def main() -> None:
                          "--base", str(base), "--summary-json", str(out), "--rounds", str(args.rounds),
                          "--prompts", str(args.prompts), "--num-generations", str(args.num_generations),
                          "--max-completion-length", str(args.max_completion_length),
-                         "--learning-rate", str(args.learning_rate), "--eval-prompts", str(args.eval_prompts)]
+                         "--learning-rate", str(args.learning_rate), "--eval-prompts", str(args.eval_prompts),
+                         "--save-dtype", args.save_dtype]
                 print(f"running {mode}, seed {seed} ...", flush=True)
                 rc = subprocess.run(child, env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{args.port}/api"}).returncode
                 if rc == 0 and out.exists():
