@@ -26,6 +26,7 @@ import torch
 from posttrain.chain.checkpoint import INDEX_NAME, SINGLE_NAME
 from posttrain.lora.packed import is_packed_adapter
 from posttrain.serve.adapters import refuse_adapters
+from posttrain.serve.checks import model_depth
 from posttrain.serve.completions import RequestError, build_response, parse_request
 from posttrain.serve.engine import EngineError, Served
 from posttrain.serve.faults import FaultBox
@@ -158,8 +159,9 @@ class ReferenceEngine:
         scored = score_with_model(new.model, probe.sequences())
         scored_previous = score_with_model(new.model, previous.sequences()) if previous is not None else None
         dtype = str(next(new.model.parameters()).dtype).removeprefix("torch.")
+        # a bfloat16 engine on float32 weights rounds them: on a deep model each layer adds to the spread
         verdict = judge(scored, probe, scored_previous, previous, version=new.identity,
-                        previous_version=before.identity, engine_dtype=dtype)
+                        previous_version=before.identity, engine_dtype=dtype, layers=model_depth(new.path))
         if not verdict.ok:
             raise ValueError(verdict.reason)
         log.info("probe of %s: %s", new.identity, verdict.reason)
