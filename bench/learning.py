@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -137,9 +138,13 @@ def run_one(args: argparse.Namespace) -> dict:
     run_root = Path(tempfile.mkdtemp(prefix=f"{args.mode}-s{args.seed}-", dir=work))
     rows, final = (run_trl if args.mode == "trl" else run_flow)(args, base, dataset, run_root)
     eval_rows = get_task("arithmetic").rows("eval", args.eval_prompts, seed=0)
+    after = greedy_accuracy(final, eval_rows, args.max_completion_length)
+    # a round's checkpoint of the real model is ~1.9 GB (weights, float32 masters, optimizer): 30 rounds
+    # filled this machine's disk before the run's folder was dropped once measured
+    shutil.rmtree(run_root, ignore_errors=True)
     return {"mode": args.mode, "seed": args.seed, "rounds": rows,
             "accuracy_before": json.loads((work / "base-accuracy.json").read_text())["accuracy"],
-            "accuracy_after": greedy_accuracy(final, eval_rows, args.max_completion_length)}
+            "accuracy_after": after}
 
 
 def summary(rs: list[dict], key) -> str:
