@@ -159,9 +159,12 @@ class ReferenceEngine:
         scored = score_with_model(new.model, probe.sequences())
         scored_previous = score_with_model(new.model, previous.sequences()) if previous is not None else None
         dtype = str(next(new.model.parameters()).dtype).removeprefix("torch.")
-        # a bfloat16 engine on float32 weights rounds them: on a deep model each layer adds to the spread
+        # The reference engine computes as the trainer's probe did, to the bit, where the dtypes agree: the
+        # dtype's own tolerance. Float32 weights rounded into a bfloat16 engine differ at every layer: the
+        # deep model's spread (its first float32 hot-load of SmolLM2 was 0.157 off, over bfloat16's 0.1).
+        layers = model_depth(new.path) if dtype != probe.dtype else None
         verdict = judge(scored, probe, scored_previous, previous, version=new.identity,
-                        previous_version=before.identity, engine_dtype=dtype, layers=model_depth(new.path))
+                        previous_version=before.identity, engine_dtype=dtype, layers=layers)
         if not verdict.ok:
             raise ValueError(verdict.reason)
         log.info("probe of %s: %s", new.identity, verdict.reason)
