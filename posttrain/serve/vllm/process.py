@@ -29,6 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain import redact
 from posttrain.serve.engine import EngineCallError
 from posttrain.serve.vllm.client import VLLMClient
 
@@ -367,9 +368,10 @@ class VLLMProcess:
         seen: dict[str, None] = {}
         for line in self.log_tail(lines=100_000).splitlines():
             match = ERROR_LINE.search(line)
-            if match:
-                seen.pop(match.group(0), None)
-                seen[match.group(0)] = None
+            if match:  # scrubbed: these go into exceptions and the run's logs
+                cause = redact.scrub(match.group(0))
+                seen.pop(cause, None)
+                seen[cause] = None
         return list(seen)[-most:]
 
     def __enter__(self) -> VLLMProcess:

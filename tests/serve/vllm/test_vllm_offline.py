@@ -47,9 +47,12 @@ def test_a_worker_killed_by_a_signal_is_named_among_the_log_errors_and_the_reaso
         "Fatal Python error: Illegal instruction\n\n"
         '  File ".../vllm/_custom_ops.py", line 3927 in cpu_attention_with_kv_cache\n'
         "(EngineCore pid=2) ERROR RuntimeError: cancelled\n"
+        "(APIServer pid=3) ERROR ValueError: cannot reach http://user:s3cr3t-pass@127.0.0.1:9/ (refused)\n"
     )
     proc = VLLMProcess(VLLMProcessConfig(log_file=log))
-    assert proc.log_errors() == ["Fatal Python error: Illegal instruction", "RuntimeError: cancelled"]
+    errors = proc.log_errors()
+    assert errors[:2] == ["Fatal Python error: Illegal instruction", "RuntimeError: cancelled"]
+    assert "s3cr3t-pass" not in errors[2] and errors[2].startswith("ValueError: cannot reach")  # scrubbed
     error = EngineStartError("vLLM answers /health but cannot generate: 500\nerrors in its log: x", "tail")
     assert error.reason == "vLLM answers /health but cannot generate: 500; errors in its log: x"
     assert "tail" in str(error) and "\n" not in error.reason
